@@ -1,0 +1,1 @@
+"""Command-line interface (click): calibrate, eval, inspect, verify, serve, upload."""

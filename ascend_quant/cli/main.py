@@ -1,0 +1,59 @@
+"""The `ascend-quant` command: one click group, one sub-command per job."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ascend_quant import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ascend-quant")
+def cli() -> None:
+    """Quantize Hugging Face causal LMs for Huawei Ascend NPUs and serve them in vLLM."""
+
+
+@cli.command("inspect")
+@click.argument("path", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect_cmd(path: str, as_json: bool) -> None:
+    """Per-module table of a checkpoint: scheme, bits, bytes, and the size against float."""
+    from ascend_quant.formats.ascend import CheckpointError, read_checkpoint
+    from ascend_quant.formats.inspect import format_summary, summarize
+
+    try:
+        summary = summarize(read_checkpoint(path))
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+
+
+@cli.command("verify")
+@click.argument("path", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify_cmd(path: str, as_json: bool) -> None:
+    """Check that vllm-ascend (and our runtime) can load a checkpoint; exit 1 naming each problem."""
+    from ascend_quant.formats.verify import verify
+
+    report = verify(path)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        for note in report.notes:
+            click.echo(f"note: {note}")
+        for problem in report.problems:
+            click.echo(f"error: {problem}", err=True)
+        if report.ok:
+            click.echo(f"ok: {path}")
+    sys.exit(0 if report.ok else 1)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""Read and write the msModelSlim / vllm-ascend checkpoint layout.
+
+The reader accepts every layout msModelSlim has written (v1 `quant_model_weights*.safetensors`
+with or without a shard index, v0 `quant_model_weight_<type>.safetensors`, the MindIE-style
+`quant_model_description_<type>.json`) and presents one in-memory model:
+module prefix -> scheme -> tensor suffixes. The writer emits the v1 layout only, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ascend_quant.schemes import SCHEMES
+
+DESCRIPTION_NAME = "quant_model_description.json"
+WEIGHTS_NAME = "quant_model_weights.safetensors"
+INDEX_NAME = WEIGHTS_NAME + ".index.json"
+FORMAT_VERSION = "1.0.0"
+# Description keys that are not tensor names.
+TOP_LEVEL_KEYS = ("version", "model_quant_type", "group_size", "kv_cache_type", "kv_quant_type",
+                  "metadata", "optional")
+# Files copied from the source model next to the quantized weights.
+MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                    "LICENSE", "LICENSE.txt")
+
+
+class CheckpointError(Exception):
+    """A folder that is not a readable Ascend checkpoint; the message names file and key."""
+
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
+              "I64": torch.int64, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class Module:
+    """All tensors under one module prefix, grouped by the quant type the description gives them.
+
+    `schemes["W8A8"] == {"weight", "deq_scale", ...}`; a quantized k_proj with C8 also has
+    `schemes["C8"] == {"kv_cache_scale", "kv_cache_offset"}` and its float bias under FLOAT.
+    """
+    prefix: str
+    schemes: dict[str, set[str]] = field(default_factory=dict)
+
+    @property
+    def weight_scheme(self) -> str | None:
+        """The type of `<prefix>.weight`, i.e. how the Linear (or norm, embedding) is stored."""
+        for scheme, suffixes in self.schemes.items():
+            if "weight" in suffixes:
+                return scheme
+        return None
+
+    @property
+    def suffixes(self) -> set[str]:
+        return set().union(*self.schemes.values()) if self.schemes else set()
+
+    def scheme_of(self, suffix: str) -> str | None:
+        for scheme, suffixes in self.schemes.items():
+            if suffix in suffixes:
+                return scheme
+        return None
+
+
+@dataclass
+class Checkpoint:
+    """An Ascend checkpoint folder, read lazily: headers now, tensor data on demand."""
+    path: Path
+    layout: str                          # "v1", "v1-sharded", "v0", "mindie"
+    description_file: Path
+    description: dict[str, str]          # tensor name -> quant type
+    meta: dict                           # the top-level keys (version, model_quant_type, ...)
+    weight_files: list[Path]
+    tensor_files: dict[str, Path]        # tensor name -> file that holds it
+    infos: dict[str, TensorInfo]
+    config: dict | None
+
+    # ------------------------------------------------------------------ access
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            file = self.tensor_files[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in the weight files") from None
+        with safe_open(str(file), "pt") as f:
+            return f.get_tensor(name)
+
+    def tensors(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Load tensors (all by default), one open per file."""
+        wanted = set(self.tensor_files if names is None else names)
+        out: dict[str, torch.Tensor] = {}
+        for file in self.weight_files:
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():
+                    if key in wanted:
+                        out[key] = f.get_tensor(key)
+        missing = wanted - set(out)
+        if missing:
+            raise CheckpointError(f"{self.path}: tensors missing from the weight files: {sorted(missing)[:5]}")
+        return {k: out[k] for k in (names or self.tensor_files)}
+
+    def modules(self) -> dict[str, Module]:
+        """module prefix -> Module, in description order."""
+        mods: dict[str, Module] = {}
+        for name, qtype in self.description.items():
+            prefix, _, suffix = name.rpartition(".")
+            mods.setdefault(prefix, Module(prefix)).schemes.setdefault(qtype, set()).add(suffix)
+        return mods
+
+    @property
+    def group_size(self) -> int:
+        return int(self.meta.get("group_size", 0) or 0)
+
+    @property
+    def model_dtype(self) -> torch.dtype | None:
+        """The serving dtype named by config.json (`dtype` or `torch_dtype`), if any."""
+        if not self.config:
+            return None
+        name = self.config.get("dtype") or self.config.get("torch_dtype")
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float32": torch.float32}.get(str(name))
+
+    @property
+    def kv_cache_int8(self) -> bool:
+        return self.meta.get("kv_cache_type") == "C8" or "C8" in self.description.values()
+
+
+# ------------------------------------------------------------------------ reading
+
+def find_description(path: Path) -> tuple[Path, str]:
+    """The description file of a folder and the layout its name implies."""
+    v1 = path / DESCRIPTION_NAME
+    if v1.is_file():
+        return v1, "v1"
+    mindie = sorted(path.glob("quant_model_description_*.json"))
+    if len(mindie) == 1:
+        return mindie[0], "mindie"
+    if len(mindie) > 1:
+        raise CheckpointError(f"{path}: several description files ({', '.join(p.name for p in mindie)}); "
+                              "keep one")
+    raise CheckpointError(f"{path}: no {DESCRIPTION_NAME} (or quant_model_description_<type>.json): "
+                          "not an Ascend quantized checkpoint")
+
+
+def find_weight_files(path: Path) -> tuple[list[Path], str | None]:
+    """The safetensors files that hold the checkpoint's tensors, and 'sharded'/'v0' hints."""
+    for index in [path / INDEX_NAME, *sorted(path.glob("quant_model_weight_*.safetensors.index.json"))]:
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{index}: unreadable shard index ({e})") from None
+            files = sorted({path / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
+            return files, "sharded"
+    if (path / WEIGHTS_NAME).is_file():
+        return [path / WEIGHTS_NAME], None
+    v0 = sorted(path.glob("quant_model_weight_*.safetensors"))
+    if v0:
+        return v0, "v0"
+    v1_shards = sorted(path.glob("quant_model_weights-*.safetensors"))
+    if v1_shards:
+        return v1_shards, "sharded"
+    raise CheckpointError(f"{path}: no quant_model_weights*.safetensors or quant_model_weight_*.safetensors")
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> dtype/shape from a safetensors header; corrupt files raise CheckpointError."""
+    try:
+        with safe_open(str(file), "pt") as f:
+            out = {}
+            for key in f.keys():
+                sl = f.get_slice(key)
+                out[key] = TensorInfo(_ST_DTYPES.get(sl.get_dtype(), torch.uint8), tuple(sl.get_shape()))
+            return out
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read an Ascend checkpoint folder's description, config and tensor headers."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such folder")
+    desc_file, layout = find_description(path)
+    try:
+        raw = json.loads(desc_file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{desc_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{desc_file}: expected a JSON object")
+    meta = {k: raw[k] for k in raw if k in TOP_LEVEL_KEYS}
+    description = {}
+    for k, v in raw.items():
+        if k in TOP_LEVEL_KEYS:
+            continue
+        if not isinstance(v, str):
+            raise CheckpointError(f"{desc_file}: key {k!r} has non-string value {v!r}")
+        description[k] = v
+    files, hint = find_weight_files(path)
+    if layout == "v1":
+        layout = {"sharded": "v1-sharded", "v0": "v0"}.get(hint or "", "v1")
+    infos: dict[str, TensorInfo] = {}
+    tensor_files: dict[str, Path] = {}
+    for file in files:
+        for name, info in read_header(file).items():
+            infos[name] = info
+            tensor_files[name] = file
+    config = None
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except ValueError as e:
+            raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    return Checkpoint(path, layout, desc_file, description, meta, files, tensor_files, infos, config)
+
+
+# ------------------------------------------------------------------------ writing
+
+def dominant_quant_type(description: Mapping[str, str]) -> str:
+    """The most common quant type among `.weight` keys that are quantized (FLOAT if none)."""
+    counts = Counter(t for name, t in description.items()
+                     if name.endswith(".weight") and t not in ("FLOAT", "C8"))
+    return counts.most_common(1)[0][0] if counts else "FLOAT"
+
+
+def build_description(description: Mapping[str, str], group_size: int = 0,
+                      metadata: dict | None = None) -> dict:
+    """The v1 description JSON: top-level keys first, then every tensor name."""
+    for name, qtype in description.items():
+        if qtype not in SCHEMES:
+            raise ValueError(f"{name}: unknown quant type {qtype!r}")
+    out: dict = {"version": FORMAT_VERSION,
+                 "model_quant_type": dominant_quant_type(description),
+                 "group_size": int(group_size)}
+    if "C8" in description.values():
+        out["kv_cache_type"] = "C8"
+        out["kv_quant_type"] = "C8"   # msModelSlim writes both spellings
+    out["metadata"] = dict(metadata or {})
+    out["optional"] = {}
+    out.update(description)
+    return out
+
+
+def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                     description: Mapping[str, str], *, group_size: int = 0,
+                     source_dir: str | os.PathLike | None = None, config: dict | None = None,
+                     metadata: dict | None = None, max_shard_size: int | str = "5GB",
+                     extra_files: Mapping[str, str | bytes] | None = None,
+                     overwrite: bool = False) -> Path:
+    """Write a v1 checkpoint folder atomically.
+
+    Everything is written into a temporary sibling folder that is renamed to `out` only
+    when complete, so an interrupted run leaves no folder that looks whole. `source_dir`
+    contributes config and tokenizer files (never weights); `config` replaces config.json.
+    `extra_files` are written verbatim (e.g. the recipe, the model card).
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    out = Path(out)
+    missing = set(tensors) - set(description)
+    extra = set(description) - set(tensors)
+    if missing or extra:
+        raise ValueError(f"description and tensors disagree: no type for {sorted(missing)[:3]}, "
+                         f"no tensor for {sorted(extra)[:3]}")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists (pass overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        if source_dir is not None:
+            for name in MODEL_SIDE_FILES:
+                src = Path(source_dir) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        split = split_torch_state_dict_into_shards(
+            state, filename_pattern="quant_model_weights{suffix}.safetensors", max_shard_size=max_shard_size)
+        for filename, names in split.filename_to_tensors.items():
+            save_file({k: state[k] for k in names}, str(tmp / filename))
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        desc = build_description(description, group_size, metadata)
+        (tmp / DESCRIPTION_NAME).write_text(json.dumps(desc, indent=2) + "\n")
+        for name, content in (extra_files or {}).items():
+            mode = "wb" if isinstance(content, bytes) else "w"
+            with open(tmp / name, mode) as f:
+                f.write(content)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move a finished temp folder to `out`, replacing an existing one last."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def copy_checkpoint(ckpt: Checkpoint, out: str | os.PathLike, **kwargs) -> Path:
+    """Re-write a checkpoint read from any layout in the v1 layout (config, tokenizer kept)."""
+    return write_checkpoint(out, ckpt.tensors(), ckpt.description, group_size=ckpt.group_size,
+                            source_dir=ckpt.path, metadata=ckpt.meta.get("metadata"), **kwargs)
+
+
+def iter_linear_weights(ckpt: Checkpoint) -> Iterator[tuple[str, str]]:
+    """(module prefix, scheme) of every quantized Linear (a `.weight` with a non-FLOAT type)."""
+    for prefix, mod in ckpt.modules().items():
+        scheme = mod.weight_scheme
+        if scheme not in (None, "FLOAT"):
+            yield prefix, scheme

@@ -1,0 +1,101 @@
+"""Summarise a checkpoint: per module, its scheme, bits and bytes, and the size against float."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ascend_quant.formats.ascend import Checkpoint
+from ascend_quant.schemes import SCHEMES
+
+
+@dataclass
+class ModuleRow:
+    module: str
+    scheme: str
+    weight_bits: int | None
+    activation: str          # "int8 static", "int8 dynamic", "float"
+    shape: list[int]         # float weight [n, k] (unpacked)
+    bytes: int               # stored bytes of all the module's tensors
+    float_bytes: int         # bytes of the same module in the float dtype
+
+
+def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
+    """Rows per module and totals. `float_dtype` (default: config dtype, else bf16) prices
+    what the float model would take."""
+    dtype = float_dtype or ckpt.model_dtype or torch.bfloat16
+    fsize = torch.empty((), dtype=dtype).element_size()
+    rows: list[ModuleRow] = []
+    for prefix, mod in ckpt.modules().items():
+        names = [f"{prefix}.{s}" for s in sorted(mod.suffixes) if f"{prefix}.{s}" in ckpt.infos]
+        stored = sum(ckpt.infos[n].nbytes for n in names)
+        scheme = mod.weight_scheme or next(iter(mod.schemes))
+        info = SCHEMES.get(scheme)
+        weight = ckpt.infos.get(f"{prefix}.weight")
+        shape = list(weight.shape) if weight else []
+        if info and info.weight_bits == 4 and shape:
+            shape[0] *= 2
+        if info is not None and info.weight_bits is not None:
+            # float model: the weight in the float dtype plus its float bias; no quant tensors
+            float_bytes = shape[0] * shape[1] * fsize
+            if f"{prefix}.bias" in ckpt.infos:
+                float_bytes += ckpt.infos[f"{prefix}.bias"].nbytes
+            kv = [n for n in names if n.rpartition(".")[2].startswith("kv_cache_")]
+            stored_cmp = stored - sum(ckpt.infos[n].nbytes for n in kv)
+        else:
+            numel = sum(ckpt.infos[n].nbytes // ckpt.infos[n].dtype.itemsize for n in names
+                        if not n.rpartition(".")[2].startswith("kv_cache_"))
+            float_bytes = numel * fsize
+            stored_cmp = stored
+        if info is None or info.activation_bits is None or info.kv_cache:
+            act = "float"
+        else:
+            act = f"int{info.activation_bits} {info.activation_mode}"
+        rows.append(ModuleRow(prefix, scheme, info.weight_bits if info else None, act, shape,
+                              stored_cmp, float_bytes))
+    total = sum(r.bytes for r in rows)
+    total_float = sum(r.float_bytes for r in rows)
+    quantized = [r for r in rows if r.weight_bits is not None]
+    return {
+        "path": str(ckpt.path),
+        "layout": ckpt.layout,
+        "model_quant_type": ckpt.meta.get("model_quant_type"),
+        "group_size": ckpt.group_size,
+        "kv_cache": "int8 (C8)" if ckpt.kv_cache_int8 else "model dtype",
+        "float_dtype": str(dtype).replace("torch.", ""),
+        "modules": [asdict(r) for r in rows],
+        "totals": {
+            "bytes": total,
+            "float_bytes": total_float,
+            "ratio": total / total_float if total_float else None,
+            "quantized_linears": len(quantized),
+            "quantized_linear_bytes": sum(r.bytes for r in quantized),
+            "quantized_linear_float_bytes": sum(r.float_bytes for r in quantized),
+        },
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """The human table of `summarize`."""
+    lines = []
+    width = max([len(m["module"]) for m in summary["modules"]] + [6])
+    head = f"{'module':<{width}}  {'scheme':<13} {'w bits':>6}  {'activations':<13} {'shape':<12} {'bytes':>12} {'float bytes':>12}"
+    lines.append(head)
+    lines.append("-" * len(head))
+    for m in summary["modules"]:
+        shape = "x".join(str(d) for d in m["shape"]) if m["shape"] else "-"
+        bits = str(m["weight_bits"]) if m["weight_bits"] else "-"
+        lines.append(f"{m['module']:<{width}}  {m['scheme']:<13} {bits:>6}  {m['activation']:<13} {shape:<12} "
+                     f"{m['bytes']:>12,} {m['float_bytes']:>12,}")
+    t = summary["totals"]
+    lines.append("-" * len(head))
+    lines.append(f"layout {summary['layout']}, model_quant_type {summary['model_quant_type']}, "
+                 f"group_size {summary['group_size']}, KV cache {summary['kv_cache']}")
+    ql, qf = t["quantized_linear_bytes"], t["quantized_linear_float_bytes"]
+    if qf:
+        lines.append(f"quantized Linears: {t['quantized_linears']}, {ql:,} bytes vs {qf:,} in "
+                     f"{summary['float_dtype']} ({ql / qf:.3f}x)")
+    lines.append(f"total: {t['bytes']:,} bytes vs {t['float_bytes']:,} in {summary['float_dtype']} "
+                 f"({t['ratio']:.3f}x)" if t["ratio"] else f"total: {t['bytes']:,} bytes")
+    return "\n".join(lines)

@@ -1,0 +1,307 @@
+"""Check a checkpoint folder against what vllm-ascend (and our runtime) need to load it.
+
+Each problem is one line naming the file and the tensor or key. Checks that need
+config.json are skipped, with a note, where the folder has none (msModelSlim's v0 outputs).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.formats.ascend import Checkpoint, CheckpointError, TensorInfo, read_checkpoint
+from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
+from ascend_quant.schemes import SCHEMES, W4A8_GROUP_TENSORS
+
+
+@dataclass
+class Report:
+    path: str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "ok": self.ok, "problems": self.problems, "notes": self.notes}
+
+
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+
+# Per scheme: suffix -> (allowed dtypes, shape rule). Shape rules get (n, k, groups)
+# where n, k are the float weight's out/in features.
+_F32 = (torch.float32,)
+_SPECS = {
+    "W8A8": {
+        "weight": ((torch.int8,), lambda n, k, g: (n, k)),
+        "input_scale": (_F32, lambda n, k, g: (1,)),
+        "input_offset": (_F32, lambda n, k, g: (1,)),
+        "deq_scale": ((torch.float32, torch.int64), lambda n, k, g: (n,)),
+        "quant_bias": ((torch.int32,), lambda n, k, g: (n,)),
+    },
+    "W8A8_DYNAMIC": {
+        "weight": ((torch.int8,), lambda n, k, g: (n, k)),
+        "weight_scale": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, 1)),
+        "weight_offset": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, 1)),
+    },
+    "W8A16": {
+        "weight": ((torch.int8,), lambda n, k, g: (n, k)),
+        "weight_scale": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, g)),
+        "weight_offset": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, g)),
+    },
+    "W4A16": {
+        "weight": ((torch.int8,), lambda n, k, g: (n // 2, k)),
+        "weight_scale": (_F32, lambda n, k, g: (n, g)),
+        "weight_offset": (_F32, lambda n, k, g: (n, g)),
+    },
+    "W4A8_DYNAMIC": {
+        "weight": ((torch.int8,), lambda n, k, g: (n // 2, k)),
+        "weight_scale": (_F32, lambda n, k, g: (n, 1)),
+        "weight_offset": (_F32, lambda n, k, g: (n, 1)),
+        "weight_scale_second": (_F32, lambda n, k, g: (n, g)),
+        "weight_offset_second": ((torch.int64, torch.float32), lambda n, k, g: (n, g)),
+    },
+}
+
+
+def verify(path: str | Path) -> Report:
+    """Run every check on a folder; never raises for a bad folder (problems are reported)."""
+    report = Report(str(path))
+    try:
+        ckpt = read_checkpoint(path)
+    except CheckpointError as e:
+        report.problems.append(str(e))
+        return report
+    _check_files(ckpt, report)
+    _check_keys(ckpt, report)
+    modules = ckpt.modules()
+    for prefix, mod in modules.items():
+        scheme = mod.weight_scheme
+        if scheme in _SPECS:
+            _check_linear(ckpt, prefix, scheme, report)
+    _check_layers_complete(ckpt, report)
+    _check_fused(ckpt, report)
+    _check_kv(ckpt, report)
+    return report
+
+
+def _rel(ckpt: Checkpoint, name: str) -> str:
+    file = ckpt.tensor_files.get(name)
+    return file.name if file else ckpt.description_file.name
+
+
+def _check_files(ckpt: Checkpoint, report: Report) -> None:
+    weights = set(ckpt.weight_files)
+    for f in sorted(ckpt.path.glob("*.safetensors")):
+        if f not in weights:
+            report.problems.append(
+                f"{f.name}: stray safetensors file beside the quantized weights (vLLM loads every "
+                "*.safetensors in the folder; remove it)")
+    if not (ckpt.path / "config.json").is_file():
+        report.notes.append("no config.json: dtype and shape-vs-config checks skipped "
+                            "(convert with --config-from MODEL to serve it)")
+    if ckpt.layout == "mindie":
+        report.notes.append(f"{ckpt.description_file.name}: MindIE-style name; vllm-ascend looks for "
+                            "quant_model_description.json (run `ascend-quant convert`)")
+    if ckpt.layout == "v0":
+        report.notes.append("v0 weight file names (quant_model_weight_<type>.safetensors): vLLM loads "
+                            "them, but `ascend-quant convert` writes the v1 names")
+
+
+def _check_keys(ckpt: Checkpoint, report: Report) -> None:
+    desc = ckpt.description
+    for name in ckpt.infos:
+        if name not in desc:
+            report.problems.append(f"{ckpt.description_file.name}: no entry for tensor {name!r} "
+                                   f"(in {_rel(ckpt, name)}); vllm-ascend raises KeyError at load")
+    for name, qtype in desc.items():
+        if qtype not in SCHEMES:
+            report.problems.append(f"{ckpt.description_file.name}: {name!r} has unknown quant type {qtype!r}")
+        if name not in ckpt.infos:
+            report.problems.append(f"{ckpt.description_file.name}: {name!r} is described but no weight file "
+                                   "holds it")
+    quantized_weights = [n for n, t in desc.items() if n.endswith(".weight") and t not in ("FLOAT", "C8")]
+    if ckpt.meta.get("model_quant_type") is None and quantized_weights:
+        report.problems.append(f"{ckpt.description_file.name}: no top-level 'model_quant_type'")
+
+
+def _info(ckpt: Checkpoint, name: str) -> TensorInfo | None:
+    return ckpt.infos.get(name)
+
+
+def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) -> None:
+    spec = _SPECS[scheme]
+    weight = _info(ckpt, f"{prefix}.weight")
+    if weight is None:
+        return  # reported by _check_keys
+    fname = _rel(ckpt, f"{prefix}.weight")
+    # Out/in features of the float weight, from the packed weight.
+    if len(weight.shape) != 2:
+        report.problems.append(f"{fname}: {prefix}.weight of {scheme} must be 2-D, is {list(weight.shape)}")
+        return
+    packed = SCHEMES[scheme].weight_bits == 4
+    n, k = (weight.shape[0] * 2 if packed else weight.shape[0]), weight.shape[1]
+    group_size = ckpt.group_size
+    groups = 1
+    scale_info = _info(ckpt, f"{prefix}.weight_scale")
+    if scheme == "W4A16" or (scheme == "W8A16" and scale_info is not None and scale_info.shape[-1] != 1):
+        groups = scale_info.shape[-1] if scale_info is not None else 1
+    two_stage = scheme == "W4A8_DYNAMIC" and _info(ckpt, f"{prefix}.weight_scale_second") is not None
+    if two_stage:
+        groups = k // group_size if group_size and k % group_size == 0 else -1
+        if groups == -1:
+            report.problems.append(f"{ckpt.description_file.name}: group_size {group_size} does not divide "
+                                   f"{prefix} in-features {k}")
+            return
+    for suffix, (dtypes, shape_rule) in spec.items():
+        name = f"{prefix}.{suffix}"
+        if suffix in W4A8_GROUP_TENSORS and not two_stage:
+            continue
+        info = _info(ckpt, name)
+        if info is None:
+            report.problems.append(f"{fname}: {scheme} layer {prefix} has no {suffix!r} tensor")
+            continue
+        if info.dtype not in dtypes:
+            want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+            report.problems.append(f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')}, "
+                                   f"{scheme} needs {want}")
+        want_shape = shape_rule(n, k, groups)
+        if suffix == "input_scale" or suffix == "input_offset":
+            ok = _numel(info.shape) == 1
+        else:
+            ok = tuple(info.shape) == want_shape
+        if not ok:
+            report.problems.append(f"{_rel(ckpt, name)}: {name} has shape {list(info.shape)}, "
+                                   f"expected {list(want_shape)}")
+    if scheme == "W4A8_DYNAMIC":
+        sb = _info(ckpt, f"{prefix}.scale_bias")
+        chunks = numerics.scale_bias_chunks(is_row_parallel(prefix))
+        if sb is None:
+            report.problems.append(f"{fname}: W4A8_DYNAMIC layer {prefix} has no 'scale_bias' tensor")
+        elif tuple(sb.shape) != (n, chunks):
+            report.problems.append(f"{_rel(ckpt, f'{prefix}.scale_bias')}: {prefix}.scale_bias has shape "
+                                   f"{list(sb.shape)}, expected {[n, chunks]}")
+    if scheme == "W8A16":
+        off = f"{prefix}.weight_offset"
+        if off in ckpt.infos and torch.any(ckpt.tensor(off) != 0):
+            report.problems.append(f"{_rel(ckpt, off)}: {off} is not zero; asymmetric W8A16 is computed "
+                                   "with the wrong sign on the NPU")
+    if scheme == "W8A8":
+        _check_deq_dtype(ckpt, prefix, report)
+
+
+def _check_deq_dtype(ckpt: Checkpoint, prefix: str, report: Report) -> None:
+    name = f"{prefix}.deq_scale"
+    info = _info(ckpt, name)
+    dtype = ckpt.model_dtype
+    if info is None or dtype is None:
+        return
+    want = numerics.deq_scale_dtype_for(dtype)
+    if info.dtype != want:
+        report.problems.append(
+            f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')} but config.json dtype is "
+            f"{str(dtype).replace('torch.', '')}, which needs {str(want).replace('torch.', '')} "
+            "(re-encode with `ascend-quant convert --dtype`)")
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
+    """Every decoder layer has the same Linear `.weight` keys (a missing one is a KeyError)."""
+    by_layer: dict[int, set[str]] = {}
+    for name in ckpt.description:
+        m = _LAYER_RE.search(name)
+        if m and name.endswith(".weight"):
+            by_layer.setdefault(int(m.group(1)), set()).add(_LAYER_RE.sub(".layers.{}.", name, count=1))
+    if ckpt.config and "num_hidden_layers" in ckpt.config:
+        expected_layers = range(int(ckpt.config["num_hidden_layers"]))
+    else:
+        expected_layers = range(max(by_layer) + 1) if by_layer else range(0)
+    union = set().union(*by_layer.values()) if by_layer else set()
+    for i in expected_layers:
+        for pattern in sorted(union - by_layer.get(i, set())):
+            report.problems.append(f"{ckpt.description_file.name}: layer {i} has no key "
+                                   f"{pattern.format(i)!r} (every Linear needs a .weight entry)")
+
+
+def _check_fused(ckpt: Checkpoint, report: Report) -> None:
+    modules = ckpt.modules()
+    seen: set[str] = set()
+    for prefix in modules:
+        group = fused_siblings(prefix)
+        if not group or group[0] in seen:
+            continue
+        seen.add(group[0])
+        present = [p for p in group if p in modules]
+        if len(present) < 2:
+            continue
+        schemes = {p: modules[p].weight_scheme for p in present}
+        if len(set(schemes.values())) > 1:
+            detail = ", ".join(f"{p.rpartition('.')[2]}={s}" for p, s in schemes.items())
+            report.problems.append(f"{ckpt.description_file.name}: fused layers disagree in scheme ({detail}); "
+                                   "vLLM loads them as one parameter")
+            continue
+        if next(iter(schemes.values())) != "W8A8":
+            continue
+        for suffix in ("input_scale", "input_offset"):
+            names = [f"{p}.{suffix}" for p in present if f"{p}.{suffix}" in ckpt.infos]
+            if len(names) < 2:
+                continue
+            values = [ckpt.tensor(n).float().reshape(-1) for n in names]
+            if any(not torch.equal(values[0], v) for v in values[1:]):
+                shown = ", ".join(f"{n.rpartition('.')[0].rpartition('.')[2]}={v.item():.6g}"
+                                  for n, v in zip(names, values))
+                report.problems.append(f"{_rel(ckpt, names[0])}: fused layers have different {suffix} ({shown}); "
+                                       "vllm-ascend keeps only one, calibrate them on the shared input")
+
+
+def _check_kv(ckpt: Checkpoint, report: Report) -> None:
+    kv_names = [n for n, t in ckpt.description.items() if t == "C8"]
+    if not kv_names:
+        return
+    if ckpt.meta.get("kv_cache_type") != "C8":
+        report.problems.append(f"{ckpt.description_file.name}: C8 tensors present but top-level "
+                               "'kv_cache_type' is not 'C8'")
+    width = None
+    if ckpt.config:
+        cfg = ckpt.config
+        heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // cfg["num_attention_heads"]
+                                           if "hidden_size" in cfg and "num_attention_heads" in cfg else None)
+        if heads and head_dim:
+            width = int(heads) * int(head_dim)
+    for name in kv_names:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix not in ("kv_cache_scale", "kv_cache_offset") or prefix.rpartition(".")[2] not in KV_PROJECTIONS:
+            report.problems.append(f"{ckpt.description_file.name}: {name!r} is typed C8 but is not a "
+                                   "k_proj/v_proj kv_cache_scale or kv_cache_offset")
+            continue
+        info = _info(ckpt, name)
+        if info is None:
+            continue
+        if info.dtype != torch.float32 or len(info.shape) != 1 or (width and info.shape[0] != width):
+            want = f"[{width}]" if width else "[num_kv_heads * head_dim]"
+            report.problems.append(f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')} "
+                                   f"{list(info.shape)}, C8 needs float32 {want}")
+        elif suffix == "kv_cache_scale" and not torch.all(ckpt.tensor(name) > 0):
+            report.problems.append(f"{_rel(ckpt, name)}: {name} has non-positive scales")
+        elif suffix == "kv_cache_offset" and torch.any(ckpt.tensor(name) != 0):
+            report.problems.append(f"{_rel(ckpt, name)}: {name} is not zero; the NPU decode path is "
+                                   "symmetric only")
+    for proj in KV_PROJECTIONS:
+        scales = {n.rpartition(f".{proj}.")[0] for n in kv_names if f".{proj}.kv_cache_scale" in n}
+        other = {n.rpartition(".")[0].rpartition(".")[0] for n in kv_names}
+        for attn in sorted(other - scales):
+            report.problems.append(f"{ckpt.description_file.name}: {attn} has C8 tensors but no "
+                                   f"{proj}.kv_cache_scale")

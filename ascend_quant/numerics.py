@@ -1,0 +1,290 @@
+"""Every quantization formula of the Ascend checkpoint format, once.
+
+Calibration, the format reader/writer and the runtime reference kernels all call these
+functions; nothing else in the package computes a scale, rounds or packs. The formulas
+are those of `docs/ascend-format.md` (shared), checked bit for bit against msModelSlim's
+own files in the test-suite.
+
+Conventions
+-----------
+* A Linear weight `w` is `[n, k]` (out, in features; Hugging Face orientation).
+* `round` is round-half-to-even (`torch.round`); all arithmetic is float32 unless a
+  function says otherwise, because that is what msModelSlim does and what makes its
+  files reproducible.
+* Granularity is data: a weight scale of shape `[n, 1]` is per-channel, `[n, k // g]`
+  is per-group; `expand_groups` broadcasts either to `[n, k]`.
+
+| quantity            | dtype, shape            | formula                                        |
+|---------------------|-------------------------|------------------------------------------------|
+| weight scale        | float32 [n,1] / [n,k/g] | `max|w| / qmax` (127 for int8, 7 for int4)      |
+| quantized weight    | int8 [n,k]              | `clamp(round(w / scale), qmin, qmax)`           |
+| input scale/offset  | float32 [1]             | `(max(mx,0) - min(mn,0)) / 255`, `round(-mn/s) - 128` |
+| deq_scale           | float32 [n] / int64 [n] | `input_scale * weight_scale` (int64 = float32 bits) |
+| quant_bias          | int32 [n]               | `round(bias / deq_scale - offset * sum_k w_q)`  |
+| scale_bias (W4A8)   | float32 [n, chunks]     | `8 * sum_k(w4 * scale)` per chunk of k          |
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MIN, INT8_MAX = -128, 127
+INT4_MIN, INT4_MAX = -8, 7
+# msModelSlim's two-stage int4 quantizes to int8 with this bound first, so that the
+# per-group int4 step has headroom (`s1 = max|w| / 119`).
+TWO_STAGE_INT8_BOUND = 119
+# W4A8 row-parallel layers (o_proj, down_proj) carry scale_bias in this many k-chunks,
+# one per possible tensor-parallel rank split.
+ROW_PARALLEL_SCALE_BIAS_CHUNKS = 16
+
+
+def qrange(bits: int) -> tuple[int, int]:
+    """Signed integer range of `bits`: (-2^(b-1), 2^(b-1) - 1)."""
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+# --------------------------------------------------------------------------- scales
+
+def absmax_scale(absmax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Symmetric scale `absmax / qmax` in float32; an all-zero row gets scale 1.0
+    (any scale maps zeros to zero, and 1.0 keeps later divisions finite)."""
+    absmax = absmax.float()
+    return torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+
+
+def weight_scale(w: torch.Tensor, bits: int, group_size: int = 0) -> torch.Tensor:
+    """Symmetric min-max weight scale.
+
+    w: [n, k] float. Returns float32 [n, 1] (group_size 0: per-channel) or
+    [n, k // group_size] (per-group). `k` must be divisible by `group_size`.
+    """
+    n, k = w.shape
+    qmax = qrange(bits)[1]
+    if group_size:
+        check_group_size(k, group_size)
+        absmax = w.float().abs().reshape(n, k // group_size, group_size).amax(-1)
+    else:
+        absmax = w.float().abs().amax(-1, keepdim=True)
+    return absmax_scale(absmax, qmax)
+
+
+def check_group_size(k: int, group_size: int) -> None:
+    if group_size <= 0 or k % group_size:
+        raise ValueError(
+            f"in-features {k} is not divisible by group size {group_size}; "
+            f"choose a group size that divides {k} (e.g. 64 or 32)")
+
+
+def expand_groups(scale: torch.Tensor, k: int) -> torch.Tensor:
+    """Broadcast a `[n, 1]` or `[n, k // g]` scale (or offset) to `[n, k]`."""
+    groups = scale.shape[-1]
+    if groups in (1, k):
+        return scale.expand(scale.shape[0], k) if groups == 1 else scale
+    assert k % groups == 0, (k, groups)
+    return scale.repeat_interleave(k // groups, dim=-1)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, bits: int,
+             offset: torch.Tensor | None = None) -> torch.Tensor:
+    """`clamp(round(x / scale) [+ offset], qmin, qmax)` as int8 (int4 values in int8).
+
+    `scale`/`offset` broadcast against `x`; per-group scales are expanded along the
+    last dimension first.
+    """
+    qmin, qmax = qrange(bits)
+    if scale.dim() == x.dim() and scale.shape[-1] not in (1, x.shape[-1]):
+        scale = expand_groups(scale, x.shape[-1])
+        offset = None if offset is None else expand_groups(offset, x.shape[-1])
+    q = torch.round(x.float() / scale)
+    if offset is not None:
+        q = q + offset
+    return torch.clamp(q, qmin, qmax).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor,
+               offset: torch.Tensor | None = None) -> torch.Tensor:
+    """`(q [- offset]) * scale` in float32; per-group scales expand along the last dim."""
+    if scale.dim() == q.dim() and scale.shape[-1] not in (1, q.shape[-1]):
+        scale = expand_groups(scale, q.shape[-1])
+        offset = None if offset is None else expand_groups(offset, q.shape[-1])
+    x = q.float()
+    if offset is not None:
+        x = x - offset
+    return x * scale
+
+
+def quantize_weight(w: torch.Tensor, bits: int, group_size: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric min-max quantization of a weight: returns (int8 [n, k], scale)."""
+    scale = weight_scale(w, bits, group_size)
+    return quantize(w, scale, bits), scale
+
+
+def two_stage_int4(w: torch.Tensor, group_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """msModelSlim's two-stage per-group int4 (W4A8_DYNAMIC, older Calibrator).
+
+    Stage 1: int8 per channel with bound 119: `s1 = max_k|w| / 119`, `w8 = round(w / s1)`.
+    Stage 2: int4 per group on the int8 values: `s2 = round(max_g|w8| / 7)` (an integer,
+    at least 1), `w4 = clamp(round(w8 / s2), -8, 7)`.
+    Returns (w4 int8 [n, k], s1 float32 [n, 1], s2 float32 [n, k // g]);
+    `w ~= w4 * s2 * s1`.
+    """
+    n, k = w.shape
+    check_group_size(k, group_size)
+    s1 = absmax_scale(w.float().abs().amax(-1, keepdim=True), TWO_STAGE_INT8_BOUND)
+    w8 = torch.round(w.float() / s1)
+    groups = w8.reshape(n, k // group_size, group_size)
+    s2 = torch.clamp(torch.round(groups.abs().amax(-1) / INT4_MAX), min=1.0)
+    w4 = torch.clamp(torch.round(groups / s2.unsqueeze(-1)), INT4_MIN, INT4_MAX)
+    return w4.reshape(n, k).to(torch.int8), s1, s2
+
+
+def two_stage_scale(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """The effective per-group scale of two-stage int4, `s2 * bf16(s1)`, float32 [n, k/g].
+
+    The stage-1 scale is rounded to bf16 first: that is the precision the NPU kernel
+    holds it in, and what msModelSlim's `scale_bias` is computed from.
+    """
+    return s2.float() * s1.to(torch.bfloat16).float()
+
+
+# --------------------------------------------------------------------- activations
+
+def activation_qparams(x_min: torch.Tensor | float, x_max: torch.Tensor | float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static per-tensor asymmetric int8 parameters from an observed range.
+
+    The range is widened to include 0 (`mn = min(x_min, 0)`, `mx = max(x_max, 0)`),
+    `scale = (mx - mn) / 255`, `offset = round(-mn / scale) - 128`. Both float32 [1].
+    A degenerate range (all zeros) gets scale 1 (zero then maps to the offset, -128).
+    """
+    mn = torch.clamp(torch.as_tensor(x_min, dtype=torch.float32).reshape(1), max=0.0)
+    mx = torch.clamp(torch.as_tensor(x_max, dtype=torch.float32).reshape(1), min=0.0)
+    scale = (mx - mn) / (INT8_MAX - INT8_MIN)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    offset = torch.round(-mn / scale) + INT8_MIN
+    return scale, offset
+
+
+def quantize_activation_static(x: torch.Tensor, input_scale: torch.Tensor,
+                               input_offset: torch.Tensor, bf16_params: bool = True
+                               ) -> torch.Tensor:
+    """What `npu_quantize(x, 1/s, o, qint8, -1, div_mode=False)` computes:
+    `clamp(round(x * (1/s) + o), -128, 127)`.
+
+    With `bf16_params` the reciprocal scale and the offset are rounded to bf16 first, as
+    vllm-ascend does on load; the multiply-add itself runs in float32.
+    """
+    inv = 1.0 / input_scale.float()
+    offset = input_offset.float()
+    if bf16_params:
+        inv = inv.to(torch.bfloat16).float()
+        offset = offset.to(torch.bfloat16).float()
+    q = torch.round(x.float() * inv + offset)
+    return torch.clamp(q, INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def quantize_activation_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 (`npu_dynamic_quant`): `s_t = max|x[t,:]| / 127`,
+    `x_q = round(x / s_t)`. x: [..., k]. Returns (int8 [..., k], float32 [..., 1])."""
+    scale = absmax_scale(x.float().abs().amax(-1, keepdim=True), INT8_MAX)
+    return quantize(x, scale, 8), scale
+
+
+# -------------------------------------------------------------- W8A8 static tensors
+
+def deq_scale(input_scale: torch.Tensor, weight_scale_: torch.Tensor) -> torch.Tensor:
+    """`input_scale * weight_scale` as float32 [n] (weight scale [n] or [n, 1])."""
+    return (input_scale.float().reshape(1) * weight_scale_.float().reshape(-1))
+
+
+def encode_deq_scale(deq: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    """deq_scale as stored: float32 for bf16 models, else int64 holding the float32 bits
+    (what the fp16 NPU kernel reads)."""
+    deq = deq.float().contiguous()
+    if model_dtype == torch.bfloat16:
+        return deq
+    return deq.view(torch.int32).to(torch.int64)
+
+
+def decode_deq_scale(stored: torch.Tensor) -> torch.Tensor:
+    """Inverse of `encode_deq_scale`: float32 [n] from either encoding."""
+    if stored.dtype == torch.int64:
+        return stored.to(torch.int32).view(torch.float32)
+    return stored.float()
+
+
+def deq_scale_dtype_for(model_dtype: torch.dtype) -> torch.dtype:
+    """The stored deq_scale dtype that vllm-ascend accepts for a serving dtype."""
+    return torch.float32 if model_dtype == torch.bfloat16 else torch.int64
+
+
+def quant_bias(bias: torch.Tensor | None, deq: torch.Tensor, input_offset: torch.Tensor,
+               w_q: torch.Tensor) -> torch.Tensor:
+    """int32 [n]: `round(bias / deq_scale - input_offset * sum_k w_q[n, k])`.
+
+    Folds the float bias and the activation zero point into the int32 accumulator, so
+    that `y = (x_q @ w_q^T + quant_bias) * deq_scale`.
+    """
+    n = w_q.shape[0]
+    b = torch.zeros(n) if bias is None else bias.float()
+    row_sum = w_q.to(torch.int32).sum(-1).float()
+    return torch.round(b / deq.float() - input_offset.float() * row_sum).to(torch.int32)
+
+
+# ------------------------------------------------------------------- int4 packing
+
+def pack_int4(w4: torch.Tensor) -> torch.Tensor:
+    """Pack int4 values [n, k] (in int8) two per byte along n: int8 [n/2, k],
+    `packed[j] = (w4[2j] & 0xF) | (w4[2j+1] << 4)`."""
+    n = w4.shape[0]
+    if n % 2:
+        raise ValueError(f"int4 packing along n needs an even out-feature count, got {n}")
+    lo, hi = w4[0::2].to(torch.int8), w4[1::2].to(torch.int8)
+    return ((lo & 0xF) | (hi << 4)).to(torch.int8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int4`: int8 [n/2, k] -> int4 values in int8 [n, k]."""
+    lo = (packed << 4) >> 4          # arithmetic shift sign-extends the low nibble
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=1).reshape(-1, packed.shape[-1])
+
+
+def int4_to_npu_int32(w4: torch.Tensor) -> torch.Tensor:
+    """int4 values [n, k] -> the int32 [k, n/8] view the NPU weight-quant matmul takes:
+    transposed, eight consecutive output channels per word, lowest nibble first."""
+    n, k = w4.shape
+    if n % 8:
+        raise ValueError(f"the NPU int32 int4 layout needs n divisible by 8, got {n}")
+    nibbles = (w4.t().to(torch.int64) & 0xF).reshape(k, n // 8, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = (nibbles << shifts).sum(-1)                     # [k, n/8], 0 .. 2^32-1
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def npu_int32_to_int4(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int4_to_npu_int32`: int32 [k, n/8] -> int4 values int8 [n, k]."""
+    k, n8 = words.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    nib = (words.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF   # [k, n/8, 8]
+    nib = torch.where(nib >= 8, nib - 16, nib)
+    return nib.reshape(k, n8 * 8).t().contiguous().to(torch.int8)
+
+
+def scale_bias(w4: torch.Tensor, scale: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+    """W4A8 `scale_bias`: float32 [n, chunks] = `8 * sum_k(w4 * scale)` over each of
+    `chunks` contiguous pieces of k. `scale` is [n, 1] or per-group [n, k/g]
+    (for two-stage int4 pass `two_stage_scale(s1, s2)`). The NPU int4 x int8 kernel uses
+    it to undo its +8 bias on the int4 operand."""
+    n, k = w4.shape
+    if k % chunks:
+        raise ValueError(f"in-features {k} do not split into {chunks} scale_bias chunks")
+    weighted = w4.float() * expand_groups(scale.float(), k)
+    return weighted.reshape(n, chunks, k // chunks).sum(-1) * 8
+
+
+def scale_bias_chunks(row_parallel: bool) -> int:
+    """How many k-chunks a W4A8 layer's scale_bias has (16 for o_proj/down_proj)."""
+    return ROW_PARALLEL_SCALE_BIAS_CHUNKS if row_parallel else 1

@@ -1,0 +1,1 @@
+"""Serving: reference / NPU / CPU kernels and the vLLM `ascend` quantization method."""

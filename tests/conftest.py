@@ -1,0 +1,32 @@
+"""Shared fixtures: where msModelSlim's golden checkpoints are, and copies to break."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("ASCEND_QUANT_FIXTURES", REPO.parent / "shared" / "fixtures" / "msmodelslim"))
+GOLDEN = ["v1_w8a8_static_c8", "v1_w8a8_dyn", "v1_w8a16_w4a8", "v0_w8a8", "v0_w4a8", "v0_w4a16"]
+
+
+def fixture_dir(name: str) -> Path:
+    path = FIXTURES / name
+    if not path.is_dir():
+        pytest.fail(f"msModelSlim fixture {path} is missing (set ASCEND_QUANT_FIXTURES)")
+    return path
+
+
+@pytest.fixture
+def golden_copy(tmp_path):
+    """A writable copy of a golden folder (the fixtures themselves are never touched)."""
+    def make(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(fixture_dir(name), dst)
+        for f in dst.rglob("*"):
+            f.chmod(0o644 if f.is_file() else 0o755)
+        return dst
+    return make
