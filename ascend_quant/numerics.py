@@ -18,7 +18,7 @@ Conventions
 |---------------------|-------------------------|------------------------------------------------|
 | weight scale        | float32 [n,1] / [n,k/g] | `max|w| / qmax` (127 for int8, 7 for int4)      |
 | quantized weight    | int8 [n,k]              | `clamp(round(w / scale), qmin, qmax)`           |
-| input scale/offset  | float32 [1]             | `(max(mx,0) - min(mn,0)) / 255`, `round(-mn/s) - 128` |
+| input scale/offset  | float32 [1]             | `max(mx,0)/255 - min(mn,0)/255`, `round(-mn/s) - 128` |
 | deq_scale           | float32 [n] / int64 [n] | `input_scale * weight_scale` (int64 = float32 bits) |
 | quant_bias          | int32 [n]               | `round(bias / deq_scale - offset * sum_k w_q)`  |
 | scale_bias (W4A8)   | float32 [n, chunks]     | `8 * sum_k(w4 * scale)` per chunk of k          |
@@ -156,12 +156,14 @@ def activation_qparams(x_min: torch.Tensor | float, x_max: torch.Tensor | float
     """Static per-tensor asymmetric int8 parameters from an observed range.
 
     The range is widened to include 0 (`mn = min(x_min, 0)`, `mx = max(x_max, 0)`),
-    `scale = (mx - mn) / 255`, `offset = round(-mn / scale) - 128`. Both float32 [1].
-    A degenerate range (all zeros) gets scale 1 (zero then maps to the offset, -128).
+    `scale = mx / 255 - mn / 255` (msModelSlim v1 divides first, then subtracts: within
+    1 ulp of `(mx - mn) / 255`, and bit-identical to its files), `offset = round(-mn / scale) - 128`.
+    Both float32 [1]. A degenerate range (all zeros) gets scale 1 (zero maps to -128).
     """
     mn = torch.clamp(torch.as_tensor(x_min, dtype=torch.float32).reshape(1), max=0.0)
     mx = torch.clamp(torch.as_tensor(x_max, dtype=torch.float32).reshape(1), min=0.0)
-    scale = (mx - mn) / (INT8_MAX - INT8_MIN)
+    levels = float(INT8_MAX - INT8_MIN)
+    scale = mx / levels - mn / levels
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     offset = torch.round(-mn / scale) + INT8_MIN
     return scale, offset

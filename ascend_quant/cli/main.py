@@ -51,6 +51,13 @@ def verify_cmd(path: str, as_json: bool) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+from ascend_quant.cli.calibrate import calibrate_cmd  # noqa: E402
+from ascend_quant.cli.evaluate import eval_cmd  # noqa: E402
+
+cli.add_command(calibrate_cmd)
+cli.add_command(eval_cmd)
+
+
 def main() -> None:
     cli()
 

@@ -302,7 +302,7 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
                     shutil.copy2(src, tmp / name)
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        state = _unshared({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
         split = split_torch_state_dict_into_shards(
             state, filename_pattern="quant_model_weights{suffix}.safetensors", max_shard_size=max_shard_size)
         for filename, names in split.filename_to_tensors.items():
@@ -320,6 +320,17 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory: copy all but the first of each."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else (id(v), 0)
+        out[k] = v.clone() if key in seen else v
+        seen.add(key)
     return out
 
 

