@@ -1,0 +1,62 @@
+"""See or change post-RoPE keys and values of a transformers model, through its AttentionInterface.
+
+What the KV cache stores is the key after RoPE, which only the attention function sees.
+`wrap_attention(model, hook)` registers an attention function that calls
+`hook(module, key, value) -> (key, value)` and then the model's own implementation (sdpa,
+eager, ...), and switches the model to it until the context exits. Keys and values arrive as
+[batch, kv_heads, seq, head_dim]; `module.layer_idx` says which layer. With a KV cache the
+hook sees the whole cached sequence each step, so observers should run with `use_cache=False`.
+
+    with wrap_attention(model, observe):          # calibration: observe K/V
+        model(input_ids, use_cache=False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+KVHook = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+_counter = itertools.count()
+
+
+def kv_channels(key: torch.Tensor) -> torch.Tensor:
+    """[batch, kv_heads, seq, head_dim] -> [batch * seq, kv_heads * head_dim], the channel order
+    of the C8 scales (index h * head_dim + d)."""
+    b, h, s, d = key.shape
+    return key.transpose(1, 2).reshape(b * s, h * d)
+
+
+def install_attention_hook(model: torch.nn.Module, hook: KVHook) -> tuple[str, str]:
+    """Register `hook` in front of the model's attention implementation and switch the model
+    to it. Returns (new name, previous name); `model.set_attn_implementation(previous)` undoes it."""
+    previous = model.config._attn_implementation or "sdpa"
+    inner = ALL_ATTENTION_FUNCTIONS[previous] if previous != "eager" else None
+    if inner is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as inner
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        out = hook(module, key, value)
+        if out is not None:
+            key, value = out
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"ascend_quant_hook_{next(_counter)}"
+    AttentionInterface.register(name, attention)
+    model.set_attn_implementation(name)
+    return name, previous
+
+
+@contextlib.contextmanager
+def wrap_attention(model: torch.nn.Module, hook: KVHook):
+    """Run `hook` on every attention call's post-RoPE key/value inside the block."""
+    _, previous = install_attention_hook(model, hook)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
