@@ -158,10 +158,10 @@ def activation_qparams(x_min: torch.Tensor | float, x_max: torch.Tensor | float
     The range is widened to include 0 (`mn = min(x_min, 0)`, `mx = max(x_max, 0)`),
     `scale = mx / 255 - mn / 255` (msModelSlim v1 divides first, then subtracts: within
     1 ulp of `(mx - mn) / 255`, and bit-identical to its files), `offset = round(-mn / scale) - 128`.
-    Both float32 [1]. A degenerate range (all zeros) gets scale 1 (zero maps to -128).
+    Both float32 [1] (or [m] for m ranges at once). A degenerate range (all zeros) gets scale 1 (zero maps to -128).
     """
-    mn = torch.clamp(torch.as_tensor(x_min, dtype=torch.float32).reshape(1), max=0.0)
-    mx = torch.clamp(torch.as_tensor(x_max, dtype=torch.float32).reshape(1), min=0.0)
+    mn = torch.clamp(torch.as_tensor(x_min, dtype=torch.float32).reshape(-1), max=0.0)
+    mx = torch.clamp(torch.as_tensor(x_max, dtype=torch.float32).reshape(-1), min=0.0)
     levels = float(INT8_MAX - INT8_MIN)
     scale = mx / levels - mn / levels
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))

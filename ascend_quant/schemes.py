@@ -86,6 +86,7 @@ CLI_NAMES = {
     "w8a16": "W8A16",
     "w4a8": "W4A8_DYNAMIC",
     "w4a16": "W4A16",
+    "float": "FLOAT",     # weights stay float (e.g. --kv-cache int8 alone)
 }
 
 

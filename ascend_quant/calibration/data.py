@@ -43,6 +43,8 @@ def _local_texts(path: Path) -> list[str]:
     if None in kinds or len(kinds) > 1:
         raise DataError(f"{path}: use one of .txt, .jsonl, .json, .parquet (got {sorted(f.suffix for f in files)})")
     kind = kinds.pop()
+    if all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"{path}: the dataset is empty")
     try:
         if kind == "text":
             # paragraphs separated by blank lines are one sample each
@@ -54,7 +56,8 @@ def _local_texts(path: Path) -> list[str]:
     except DataError:
         raise
     except Exception as e:  # datasets raises many types for malformed files
-        raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {detail})") from None
     return _column(ds, str(path))
 
 

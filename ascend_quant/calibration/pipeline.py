@@ -54,6 +54,7 @@ class QuantizedLinear:
     scale_second: torch.Tensor | None = None  # two-stage int4: s2 [n, k // g]
     input_scale: torch.Tensor | None = None  # static W8A8
     input_offset: torch.Tensor | None = None
+    running: tuple[torch.Tensor, torch.Tensor] | None = None  # per-sample (scale, offset) [B, 1, 1]
     row_parallel: bool = False
     error: float = 0.0                       # relative output error on calibration tokens
 
@@ -125,6 +126,9 @@ def _fake_quant_activation(x: torch.Tensor, scheme: str, qlin: QuantizedLinear) 
     if info.activation_mode == "dynamic":
         q, s = numerics.quantize_activation_dynamic(x)
         return (q.float() * s).to(x.dtype)
+    if info.activation_mode == "static" and qlin.running is not None:
+        scale, offset = qlin.running            # each sample with the range seen up to it
+        return numerics.dequantize(numerics.quantize(x, scale, 8, offset=offset), scale, offset).to(x.dtype)
     if info.activation_mode == "static":
         # msModelSlim's definition (a true division); the NPU's bf16 reciprocal differs by <1 LSB
         q = numerics.quantize(x, qlin.input_scale, 8, offset=qlin.input_offset)
@@ -138,7 +142,8 @@ class _GroupQuantizer:
     def __init__(self, layer: torch.nn.Module, group: LinearGroup, prefix: str, recipe: Recipe,
                  results: dict[str, QuantizedLinear], valid: torch.Tensor):
         self.layer, self.group, self.prefix, self.recipe, self.results = layer, group, prefix, recipe, results
-        self.valid = valid.reshape(-1)            # [N * L] bool: real tokens, not padding
+        self.valid2d = valid                      # [N, L] bool: real tokens, not padding
+        self.valid = valid.reshape(-1)
         self.modules = {name: layer.get_submodule(name) for name in group.linears}
         self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}") for name in group.linears}
         self.source: torch.Tensor | None = None     # the input as it arrived
@@ -163,6 +168,17 @@ class _GroupQuantizer:
         if scheme == "FLOAT":
             return x
         return _fake_quant_activation(x, scheme, self.results[f"{self.prefix}.{name}"])
+
+    def _running_qparams(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """msModelSlim's running observer, vectorized over the batch: sample b is quantized with
+        the min/max of samples 0..b (its calibration forwards run one sample at a time)."""
+        b = x.shape[0]
+        xs = x.reshape(b, -1, x.shape[-1]).float()
+        valid = self.valid2d.reshape(b, -1, 1)
+        mins = torch.where(valid, xs, torch.inf).amin((1, 2))
+        maxs = torch.where(valid, xs, -torch.inf).amax((1, 2))
+        scale, offset = numerics.activation_qparams(torch.cummin(mins, 0).values, torch.cummax(maxs, 0).values)
+        return scale.reshape(b, 1, 1), offset.reshape(b, 1, 1)
 
     def _smooths(self, schemes) -> bool:
         """Smoothing helps activation quantization; weight-only groups skip it, and smoothing
@@ -193,11 +209,15 @@ class _GroupQuantizer:
             x = x / s.to(x.dtype)
             flat = x.reshape(-1, x.shape[-1])[self.valid]
         # 2. activation range (static W8A8): one for the whole group
-        input_scale = input_offset = None
+        input_scale = input_offset = running = None
         if any(SCHEMES[s].activation_mode == "static" for s in quantized.values()):
-            obs = RangeObserver(recipe.activations.percentile if recipe.activations.observer == "percentile" else 100.0)
-            obs.update(flat)
-            input_scale, input_offset = obs.qparams()
+            if recipe.activations.observer == "running":
+                running = self._running_qparams(x)
+                input_scale, input_offset = running[0][-1].reshape(1), running[1][-1].reshape(1)
+            else:
+                obs = RangeObserver(recipe.activations.percentile if recipe.activations.observer == "percentile" else 100.0)
+                obs.update(flat)
+                input_scale, input_offset = obs.qparams()
         # 3. weights: GPTQ on the shared Hessian of the (fake-quantized) input, or min-max
         hessians: dict[str, torch.Tensor] = {}
         subsample = flat[torch.linspace(0, flat.shape[0] - 1, min(_ERROR_TOKENS, flat.shape[0])).long()]
@@ -235,7 +255,7 @@ class _GroupQuantizer:
                 q = numerics.quantize(w, scale, info.weight_bits)
             bias = module.bias.detach().float().clone() if module.bias is not None else None
             qlin = QuantizedLinear(scheme, q, s1 if two_stage else scale, bias, s2 if two_stage else None,
-                                   input_scale, input_offset, group.row_parallel)
+                                   input_scale, input_offset, running=running, row_parallel=group.row_parallel)
             wq = qlin.dequantized()
             ref = subsample @ w.t()
             err = subsample @ wq.t() - ref
@@ -261,6 +281,35 @@ class _KVQuantizer:
             self.k_obs.release()
             self.v_obs.release()
         return fake_quant_kv(key, self.k_scale), fake_quant_kv(value, self.v_scale)
+
+
+class _ObserveOnlyKV(_KVQuantizer):
+    """K/V observed but passed on unquantized (msModelSlim's calibration pass does this)."""
+
+    def hook(self, module, key, value):
+        super().hook(module, key, value)
+        return key, value
+
+
+def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
+    """Run a layer again with every static range final, observing K/V only."""
+    handles = []
+    for name, qlin in results.items():
+        if name.startswith(prefix + "."):
+            final = QuantizedLinear(qlin.scheme, qlin.q, qlin.scale, None,
+                                    input_scale=qlin.input_scale, input_offset=qlin.input_offset)
+            module = layer.get_submodule(name[len(prefix) + 1:])
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, final=final: (_fake_quant_activation(args[0], final.scheme, final),)))
+    kvq = _ObserveOnlyKV(recipe.kv_cache.method, valid)
+    setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+    try:
+        out = layer(x, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        delattr(attention, _KV_HOOK_ATTR)
+    return (out[0] if isinstance(out, tuple) else out), kvq
 
 
 _KV_HOOK_ATTR = "_ascend_quant_kv_hook"
@@ -321,9 +370,11 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
         attention = layer.get_submodule(adapter.attention)
-        if recipe.kv_cache:
+        running = recipe.activations.observer == "running"
+        if recipe.kv_cache and not running:
             kvq = _KVQuantizer(recipe.kv_cache.method, valid)
             setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+        x_in = x
         try:
             out = layer(x, **kwargs)
         finally:
@@ -332,6 +383,9 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
             if kvq is not None:
                 delattr(attention, _KV_HOOK_ATTR)
         x = out[0] if isinstance(out, tuple) else out
+        if running and recipe.kv_cache:
+            # msModelSlim's dynamic_cache unit: a second pass with the final ranges, observing K/V
+            x, kvq = _final_pass(layer, attention, x_in, kwargs, results, prefix, recipe, valid)
         if not torch.isfinite(x).all():
             raise CalibrationError(f"NaN or Inf in the output of {prefix} after quantization")
         if kvq is not None:

@@ -44,7 +44,9 @@ class SmoothQuant:
 
 @dataclass
 class Activations:
-    observer: str = "minmax"          # minmax or percentile (static W8A8 only)
+    # static W8A8 only: minmax, percentile, or running (msModelSlim's own semantics: each
+    # calibration sample is fake-quantized with the range seen so far; reproduces its files)
+    observer: str = "minmax"
     percentile: float = 99.99
 
 
@@ -120,6 +122,8 @@ def normalize_scheme(name: str) -> str:
 def preset(scheme: str, group_size: int | None = None) -> Recipe:
     """The recipe we recommend for a scheme (measured on SmolLM2-135M; see README)."""
     s = normalize_scheme(scheme)
+    if s == "FLOAT":      # weights stay float: only the KV cache (with kv_cache set) is quantized
+        return Recipe(s, method="minmax", kv_cache=KVCache())
     if s == "W8A16":
         return Recipe(s, method="gptq", group_size=group_size or 0)
     if s == "W8A8_DYNAMIC":
@@ -181,6 +185,8 @@ def load_recipe(path: str | Path) -> Recipe:
                 setattr(recipe, key, value)
             else:
                 raise RecipeError(f"{path}: unknown key {key!r}")
+    except RecipeError as e:
+        raise RecipeError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{path}: {e}") from None
     validate(recipe, str(path))
@@ -190,8 +196,11 @@ def load_recipe(path: str | Path) -> Recipe:
 def validate(recipe: Recipe, where: str = "recipe") -> None:
     if recipe.method not in ("minmax", "gptq"):
         raise RecipeError(f"{where}: method must be minmax or gptq, got {recipe.method!r}")
-    if recipe.activations.observer not in ("minmax", "percentile"):
-        raise RecipeError(f"{where}: activations.observer must be minmax or percentile")
+    if recipe.activations.observer not in ("minmax", "percentile", "running"):
+        raise RecipeError(f"{where}: activations.observer must be minmax, percentile or running")
+    if recipe.activations.observer == "running" and (recipe.method != "minmax" or recipe.smoothquant):
+        raise RecipeError(f"{where}: the running observer reproduces msModelSlim's min-max flow: "
+                          "use method minmax without smoothquant")
     if recipe.kv_cache and recipe.kv_cache.method not in KV_METHODS:
         raise RecipeError(f"{where}: kv_cache.method must be one of {', '.join(KV_METHODS)}")
     if recipe.kv_cache and recipe.kv_cache.dtype != "int8":
