@@ -25,8 +25,13 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+DEMO_OUT ?= out/smollm2-135m-w8a8-dynamic
 demo: $(STAMP)
-	$(VENV)/bin/ascend-quant demo
+	rm -rf $(DEMO_OUT)
+	$(VENV)/bin/ascend-quant calibrate -o $(DEMO_OUT) --scheme w8a8-dynamic
+	$(VENV)/bin/ascend-quant verify $(DEMO_OUT)
+	$(VENV)/bin/ascend-quant inspect $(DEMO_OUT) | tail -3
+	$(VENV)/bin/ascend-quant eval --quantized $(DEMO_OUT) --tokens 4096
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

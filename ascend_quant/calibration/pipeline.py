@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -526,18 +527,64 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             bar.close()
     tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
     config = config_with_quant_method(read_json(local / "config.json"), recipe)
-    meta = {"tool": "ascend-quant", "num_samples": int(samples.shape[0]), "seq_len": int(seq_len),
-            "dataset": dataset or "wiki (built-in)", "seed": seed}
+    base_model, license_ = source_identity(model_id, local)
+    meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
+            "num_samples": int(samples.shape[0]), "seq_len": int(seq_len),
+            "dataset": _dataset_name(dataset), "seed": seed}
     files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
              "ascend_quant_calibration.json": json.dumps(
                  {**meta, "seconds": round(time.perf_counter() - start, 2),
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                               "errors": r.errors} for r in reports]}, indent=2)}
     files.update(extra_files or {})
-    group_size = recipe.group_size if any(SCHEMES[q.scheme].weight_bits == 4 for q in results.values()) else 0
+    files["README.md"] = _card_for(types, group_size_for(recipe, results), meta, files)
+    group_size = group_size_for(recipe, results)
     write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                      metadata=meta, extra_files=files, overwrite=overwrite)
     return CalibrationResult(out, time.perf_counter() - start, int(samples.shape[0]), seq_len, reports)
+
+
+def _dataset_name(dataset: str | None) -> str:
+    """How the card names the data: a Hub dataset by id, a local file by its name only."""
+    if not dataset:
+        return "built-in wiki text (Wikipedia lead sections, calibration split)"
+    return Path(dataset).name if Path(dataset).exists() else dataset
+
+
+def group_size_for(recipe: Recipe, results: dict[str, QuantizedLinear]) -> int:
+    return recipe.group_size if any(SCHEMES[q.scheme].weight_bits == 4 for q in results.values()) else 0
+
+
+def source_identity(model_id: str, local: Path) -> tuple[str | None, str | None]:
+    """(base model id, license) of the source model: a Hub id names itself; a local folder is
+    named by its card's `model_name` or config's `_name_or_path` when that looks like a Hub id."""
+    license_ = name = None
+    card = local / "README.md"
+    if card.is_file():
+        try:
+            from huggingface_hub import ModelCard
+            data = ModelCard.load(card).data.to_dict()
+            license_, name = data.get("license"), data.get("model_name")
+        except Exception:      # a malformed card of the source model is not our error
+            pass
+    if not Path(model_id).exists():
+        return model_id, license_
+    cfg_name = read_json(local / "config.json").get("_name_or_path", "")
+    if not name and re.fullmatch(r"[\w.-]+/[\w.-]+", cfg_name or "") and not Path(cfg_name).exists():
+        name = cfg_name
+    return name or local.name, license_
+
+
+def _card_for(types: dict[str, str], group_size: int, meta: dict, files: dict[str, str]) -> str:
+    from ascend_quant.formats.ascend import build_description
+    from ascend_quant.hub import render_card
+
+    desc = build_description(types, group_size, meta)
+    top = {k: v for k, v in desc.items() if k not in types}
+    calib = json.loads(files["ascend_quant_calibration.json"])
+    base = str(meta.get("base_model") or "model").rpartition("/")[2]
+    return str(render_card(types, top, calib, files["ascend_quant_recipe.yaml"], None,
+                           f"{base}-{top['model_quant_type']}"))
 
 
 def format_reports(reports: list[LayerReport]) -> str:

@@ -1,0 +1,243 @@
+"""Paged attention over an int8 (C8) KV cache: quantize on write, dequantize per channel on read.
+
+Cache: vLLM's CPU page tensor `[num_blocks, num_kv_heads, block_size, 2 * head_dim]`, int8.
+Within one (block, kv head) the 2 * block_size * head_dim bytes hold K transposed
+(`[head_dim][block_size]`) then V (`[block_size][head_dim]`) — a layout private to this module
+(`page_views` gives both as tensors); only these functions write and read C8 pages.
+
+Scales: the checkpoint's per-channel `kv_cache_scale` vectors, `[num_kv_heads * head_dim]`,
+head-major (index h * head_dim + d). Write: `k_q = clamp(round(k / s_k), -128, 127)` into the
+slots of `slot_mapping` (-1 = padding, skipped). Read: `k = k_q * s_k`, `v = v_q * s_v`.
+
+Attention metadata (vLLM v1's): `query_start_loc [R+1]`, `seq_lens [R]` (context length
+including this step's tokens), `block_table [R, max_blocks]`. Request r's queries are the last
+`q_len` positions of its context; with `causal`, query i (absolute position ctx - q_len + i)
+sees keys 0..position (chunked prefill, prefix-cache hits and decode alike).
+
+Three implementations with one signature (`out[T, H, D]` float32):
+  * `attention_reference`: a per-request loop that dequantizes whole contexts and runs a plain
+    masked softmax — the test oracle.
+  * `attention_torch`: batched torch: gathers only the blocks in the block table, folds the
+    scales (q * s_k, out * s_v, so pages are only converted, not rescaled) and runs
+    `scaled_dot_product_attention` with GQA and a causal mask over all requests at once.
+  * `attention_native`: the C kernel (`c8_kernel.c`, OpenMP over (request, query tile, kv head),
+    online softmax over blocks, int8 pages read directly). The default on CPUs.
+`attention()` picks native when it is available (`ASCEND_QUANT_C8_ATTENTION=native|torch|reference`
+forces one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ascend_quant.runtime.paged import native
+
+IMPL_ENV = "ASCEND_QUANT_C8_ATTENTION"
+
+
+# ----------------------------------------------------------------------------- layout
+
+def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K [num_blocks, Hkv, D, bs], V [num_blocks, Hkv, bs, D]) views of the int8 pages."""
+    nb, hkv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    flat = kv_cache.reshape(nb, hkv, 2 * bs * d)
+    return flat[..., : bs * d].view(nb, hkv, d, bs), flat[..., bs * d:].view(nb, hkv, bs, d)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[T, Hkv, D] -> int8 with the per-channel scale [Hkv * D]."""
+    s = scale.float().reshape(1, x.shape[1], x.shape[2])
+    return torch.clamp(torch.round(x.float() / s), -128, 127).to(torch.int8)
+
+
+def _check(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dtype != torch.int8 or kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"C8 pages must be int8 [blocks, kv_heads, block_size, 2*head_dim], got "
+                         f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+
+
+# ----------------------------------------------------------------------------- write
+
+def write_reference(kv_cache, key, value, slot_mapping, k_scale, v_scale) -> None:
+    """Quantize key/value [T, Hkv, D] into the slots of `slot_mapping` (plain torch)."""
+    _check(kv_cache)
+    kc, vc = page_views(kv_cache)
+    bs = kc.shape[-1]
+    n = min(key.shape[0], slot_mapping.shape[0])
+    slots = slot_mapping[:n].long()
+    keep = slots >= 0
+    slots = slots[keep]
+    kq, vq = quantize_kv(key[:n][keep], k_scale), quantize_kv(value[:n][keep], v_scale)
+    blk, off = slots // bs, slots % bs
+    kc[blk, :, :, off] = kq
+    vc[blk, :, off, :] = vq
+
+
+def write_native(kv_cache, key, value, slot_mapping, k_scale, v_scale, lib=None) -> None:
+    _check(kv_cache)
+    lib = lib or native.load()
+    n = min(key.shape[0], slot_mapping.shape[0])
+    k = _rows_f32(key[:n])
+    v = _rows_f32(value[:n])
+    slots = slot_mapping[:n].to(torch.int64).contiguous()
+    ks, vs = k_scale.float().contiguous(), v_scale.float().contiguous()
+    nb, hkv, bs, two_d = kv_cache.shape
+    lib.c8_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n,
+                 kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), hkv, two_d // 2, bs,
+                 ks.data_ptr(), vs.data_ptr(), torch.get_num_threads())
+
+
+def _rows_f32(x: torch.Tensor) -> torch.Tensor:
+    """float32 [T, Hkv, D] whose (head, dim) part is contiguous (a row stride is allowed)."""
+    x = x.float()
+    t, h, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    return x
+
+
+def write(kv_cache, key, value, slot_mapping, k_scale, v_scale) -> None:
+    if kv_cache.device.type == "cpu" and choose_impl() == "native":
+        write_native(kv_cache, key, value, slot_mapping, k_scale, v_scale)
+    else:
+        write_reference(kv_cache, key, value, slot_mapping, k_scale, v_scale)
+
+
+# ----------------------------------------------------------------------------- read
+
+def gather_dequantized(kv_cache, block_ids: torch.Tensor, length: int, k_scale, v_scale):
+    """K, V [length, Hkv, D] float32 of one request (its blocks in order)."""
+    kc, vc = page_views(kv_cache)
+    hkv, d = kc.shape[1], kc.shape[2]
+    k = kc[block_ids.long()].permute(0, 3, 1, 2).reshape(-1, hkv, d)[:length]   # [blocks*bs, Hkv, D]
+    v = vc[block_ids.long()].permute(0, 2, 1, 3).reshape(-1, hkv, d)[:length]
+    return k.float() * k_scale.float().view(1, hkv, d), v.float() * v_scale.float().view(1, hkv, d)
+
+
+def attention_reference(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
+                        scale: float, causal: bool = True) -> torch.Tensor:
+    """out [T, H, D] float32: per request, dequantize its whole context and run a masked softmax."""
+    _check(kv_cache)
+    t_total, h, d = query.shape
+    bs = kv_cache.shape[2]
+    hkv = kv_cache.shape[1]
+    out = torch.zeros(t_total, h, d, dtype=torch.float32)
+    qsl = query_start_loc.tolist()
+    for r, ctx in enumerate(seq_lens.tolist()):
+        q0, q1 = qsl[r], qsl[r + 1]
+        qlen = q1 - q0
+        if qlen == 0:
+            continue
+        nblk = (ctx + bs - 1) // bs
+        k, v = gather_dequantized(kv_cache, block_table[r, :nblk], ctx, k_scale, v_scale)
+        k = k.repeat_interleave(h // hkv, dim=1)            # GQA: query head j uses kv head j // G
+        v = v.repeat_interleave(h // hkv, dim=1)
+        q = query[q0:q1].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if causal:
+            pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
+            scores = scores.masked_fill(torch.arange(ctx).unsqueeze(0) > pos, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out
+
+
+def fold_scales(k_scale, v_scale, num_heads: int, num_kv_heads: int, scale: float):
+    """(q multiplier [H, D] = scale * s_k of the head's kv head, output multiplier [H, D] = s_v)."""
+    d = k_scale.numel() // num_kv_heads
+    return _fold(k_scale.float(), v_scale.float(), num_heads, num_kv_heads, d, scale)
+
+
+def _fold(ks, vs, h, hkv, d, scale):
+    g = h // hkv
+    qmul = (ks.view(hkv, 1, d) * scale).expand(hkv, g, d).reshape(h, d).contiguous()
+    omul = vs.view(hkv, 1, d).expand(hkv, g, d).reshape(h, d).contiguous()
+    return qmul, omul
+
+
+def attention_torch(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
+                    scale: float, causal: bool = True, folded=None) -> torch.Tensor:
+    """Batched over requests: pad queries to [R, max_q], gather each request's blocks (int8 ->
+    float, no rescale), one `scaled_dot_product_attention` with GQA and a bottom-right causal mask."""
+    _check(kv_cache)
+    t_total, h, d = query.shape
+    nb, hkv, bs, _ = kv_cache.shape
+    qmul, omul = folded or fold_scales(k_scale, v_scale, h, hkv, scale)
+    qsl = query_start_loc.long()
+    qlens = qsl[1:] - qsl[:-1]
+    ctx = seq_lens.long()
+    r = ctx.shape[0]
+    max_q = int(qlens.max())
+    max_ctx = int(ctx.max())
+    nblk = (max_ctx + bs - 1) // bs
+    kc, vc = page_views(kv_cache)
+    ids = block_table[:, :nblk].long()
+    k = kc[ids].permute(0, 2, 1, 4, 3).reshape(r, hkv, nblk * bs, d)[:, :, :max_ctx].float()
+    v = vc[ids].permute(0, 2, 1, 3, 4).reshape(r, hkv, nblk * bs, d)[:, :, :max_ctx].float()
+    # queries -> [R, H, max_q, D]
+    tok = torch.arange(t_total)
+    req = torch.repeat_interleave(torch.arange(r), qlens, output_size=t_total)
+    row = tok - qsl[req]
+    q = torch.zeros(r, max_q, h, d, dtype=torch.float32)
+    q[req, row] = query.float() * qmul
+    q = q.transpose(1, 2)
+    key_pos = torch.arange(max_ctx).view(1, 1, max_ctx)
+    if causal:
+        q_pos = (ctx - qlens).view(r, 1, 1) + torch.arange(max_q).view(1, max_q, 1)
+        mask = key_pos <= q_pos
+    else:
+        mask = key_pos < ctx.view(r, 1, 1)
+    mask = mask & (key_pos < ctx.view(r, 1, 1))
+    mask = mask | (torch.arange(max_q).view(1, max_q, 1) >= qlens.view(r, 1, 1))   # padded rows: see all (dropped)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=1.0, enable_gqa=True)
+    return o.transpose(1, 2)[req, row] * omul
+
+
+def attention_native(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
+                     scale: float, causal: bool = True, folded=None, out=None, q_tile: int = 16,
+                     lib=None) -> torch.Tensor:
+    _check(kv_cache)
+    lib = lib or native.load()
+    t_total, h, d = query.shape
+    nb, hkv, bs, _ = kv_cache.shape
+    qmul, omul = folded or fold_scales(k_scale, v_scale, h, hkv, scale)
+    q = (query.float() * qmul).contiguous()
+    res = torch.empty(t_total, h, d, dtype=torch.float32)
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    sl = seq_lens.to(torch.int32).contiguous()
+    bt = block_table.to(torch.int32)
+    if bt.stride(1) != 1:
+        bt = bt.contiguous()
+    lib.c8_attention(q.data_ptr(), h * d, kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
+                     qsl.data_ptr(), sl.data_ptr(), bt.data_ptr(), bt.stride(0), sl.shape[0], h, hkv, d, bs,
+                     int(bool(causal)), q_tile, res.data_ptr(), torch.get_num_threads())
+    res.mul_(omul)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def choose_impl() -> str:
+    forced = os.environ.get(IMPL_ENV)
+    if forced:
+        if forced not in ("native", "torch", "reference"):
+            raise ValueError(f"{IMPL_ENV}={forced!r}: expected native, torch or reference")
+        return forced
+    return "native" if native.load() is not None else "torch"
+
+
+IMPLS = {"reference": attention_reference, "torch": attention_torch, "native": attention_native}
+
+
+def attention(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale: float,
+              causal: bool = True, impl: str | None = None, folded=None) -> torch.Tensor:
+    impl = impl or (choose_impl() if kv_cache.device.type == "cpu" else "torch")
+    if impl == "reference":
+        return attention_reference(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
+                                   scale, causal)
+    return IMPLS[impl](query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
+                       causal, folded=folded)

@@ -1,0 +1,184 @@
+/* int8 (C8) paged KV cache: write and attention kernels for the CPU (ascend-quant).
+ *
+ * Page layout, per (block, kv head): 2 * block_size * head_dim int8 values,
+ *   K transposed  [head_dim][block_size]   at offset 0          (element (d, j) at d*bs + j)
+ *   V             [block_size][head_dim]   at offset bs * D     (element (j, d) at bs*D + j*D + d)
+ * which is exactly the bytes of vLLM's CPU page [num_kv_heads, block_size, 2 * head_dim] for one
+ * block and head (this layout is private to the C8 implementation: only it writes and reads pages).
+ *
+ * Quantization: q = clamp(round_half_even(x / scale[h*D + d]), -128, 127).
+ * Attention: the caller folds the softmax scale and the per-channel K scale into the query
+ * (q' = q * sm_scale * k_scale) and multiplies the output by the per-channel V scale, so the
+ * kernel works on the raw int8 values: out = softmax(q' . k_q) @ v_q, with an online softmax
+ * over blocks. Work items are (request, query tile, kv head); every query head of the kv head's
+ * group (GQA) shares the converted block.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <float.h>
+#include <omp.h>
+
+static inline int8_t quant1(float x, float s) {
+    float q = nearbyintf(x / s);
+    q = q < -128.f ? -128.f : (q > 127.f ? 127.f : q);
+    return (int8_t)q;
+}
+
+void c8_write(const float *key, int64_t key_tok_stride, const float *value, int64_t value_tok_stride,
+              const int64_t *slots, int64_t num_tokens, int8_t *cache, int64_t blk_stride,
+              int64_t head_stride, int num_kv_heads, int head_dim, int block_size,
+              const float *k_scale, const float *v_scale, int nthreads) {
+    const int D = head_dim, bs = block_size;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (num_tokens * num_kv_heads >= 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        int64_t b = slot / bs, o = slot % bs;
+        for (int h = 0; h < num_kv_heads; h++) {
+            int8_t *page = cache + b * blk_stride + h * head_stride;
+            const float *k = key + t * key_tok_stride + (int64_t)h * D;
+            const float *v = value + t * value_tok_stride + (int64_t)h * D;
+            const float *ks = k_scale + (int64_t)h * D, *vs = v_scale + (int64_t)h * D;
+            for (int d = 0; d < D; d++) page[(int64_t)d * bs + o] = quant1(k[d], ks[d]);
+            int8_t *vrow = page + (int64_t)bs * D + o * D;
+            for (int d = 0; d < D; d++) vrow[d] = quant1(v[d], vs[d]);
+        }
+    }
+}
+
+/* Read the pages back (int8 -> raw int values as float, no scale): K [ctx, Hkv, D] and V, for
+ * tests and the torch fallback. */
+void c8_gather(const int8_t *cache, int64_t blk_stride, int64_t head_stride, const int32_t *blocks,
+               int64_t n_tokens, int num_kv_heads, int head_dim, int block_size, float *k_out, float *v_out) {
+    const int D = head_dim, bs = block_size;
+    for (int64_t t = 0; t < n_tokens; t++) {
+        const int64_t b = blocks[t / bs], o = t % bs;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int8_t *page = cache + b * blk_stride + h * head_stride;
+            for (int d = 0; d < D; d++) {
+                k_out[(t * num_kv_heads + h) * D + d] = page[(int64_t)d * bs + o];
+                v_out[(t * num_kv_heads + h) * D + d] = page[(int64_t)bs * D + o * D + d];
+            }
+        }
+    }
+}
+
+void c8_attention(const float *q, int64_t q_tok_stride, const int8_t *cache, int64_t blk_stride,
+                  int64_t head_stride, const int32_t *query_start_loc, const int32_t *seq_lens,
+                  const int32_t *block_table, int64_t bt_stride, int num_reqs, int num_heads,
+                  int num_kv_heads, int head_dim, int block_size, int causal, int q_tile,
+                  float *out, int nthreads) {
+    const int D = head_dim, bs = block_size, G = num_heads / num_kv_heads;
+    int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (num_reqs + 1));
+    item_start[0] = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        int qlen = query_start_loc[r + 1] - query_start_loc[r];
+        int tiles = (qlen + q_tile - 1) / q_tile;
+        item_start[r + 1] = item_start[r] + (int64_t)tiles * num_kv_heads;
+    }
+    const int64_t n_items = item_start[num_reqs];
+    const int max_rows = q_tile * G;
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *kf = (float *)aligned_alloc(64, sizeof(float) * ((size_t)D * bs + 16));
+        float *vf = (float *)aligned_alloc(64, sizeof(float) * ((size_t)D * bs + 16));
+        float *s = (float *)aligned_alloc(64, sizeof(float) * (bs + 16));
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * ((size_t)max_rows * D + 16));
+        float *m = (float *)malloc(sizeof(float) * max_rows);
+        float *l = (float *)malloc(sizeof(float) * max_rows);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; it++) {
+            int lo = 0, hi = num_reqs - 1;           /* request owning this item */
+            while (lo < hi) {
+                int mid = (lo + hi + 1) / 2;
+                if (item_start[mid] <= it) lo = mid; else hi = mid - 1;
+            }
+            const int r = lo;
+            const int64_t local = it - item_start[r];
+            const int tile = (int)(local / num_kv_heads), kvh = (int)(local % num_kv_heads);
+            const int qlen = query_start_loc[r + 1] - query_start_loc[r];
+            const int ctx = seq_lens[r];
+            const int i0 = tile * q_tile;
+            const int nq = qlen - i0 < q_tile ? qlen - i0 : q_tile;
+            const int64_t t0 = query_start_loc[r] + i0;
+            const int first_pos = ctx - qlen + i0;           /* absolute position of the tile's first query */
+            const int kv_end = causal ? first_pos + nq : ctx;
+            const int rows = nq * G;
+            for (int rr = 0; rr < rows; rr++) {
+                m[rr] = -FLT_MAX;
+                l[rr] = 0.f;
+                for (int d = 0; d < D; d++) acc[(int64_t)rr * D + d] = 0.f;
+            }
+            const int nblocks = (kv_end + bs - 1) / bs;
+            for (int b = 0; b < nblocks; b++) {
+                const int64_t phys = block_table[(int64_t)r * bt_stride + b];
+                const int8_t *page = cache + phys * blk_stride + (int64_t)kvh * head_stride;
+                const int base = b * bs;
+                const int nk = kv_end - base < bs ? kv_end - base : bs;
+                for (int d = 0; d < D; d++) {
+                    const int8_t *src = page + (int64_t)d * bs;
+                    float *dst = kf + (int64_t)d * bs;
+#pragma omp simd
+                    for (int j = 0; j < nk; j++) dst[j] = (float)src[j];
+                }
+                {
+                    const int8_t *src = page + (int64_t)bs * D;
+                    const int n = nk * D;
+#pragma omp simd
+                    for (int e = 0; e < n; e++) vf[e] = (float)src[e];
+                }
+                for (int rr = 0; rr < rows; rr++) {
+                    const int i = rr / G, g = rr % G;
+                    const int limit = causal ? first_pos + i + 1 : ctx;   /* keys [0, limit) */
+                    int nkr = limit - base;
+                    if (nkr <= 0) continue;
+                    if (nkr > nk) nkr = nk;
+                    const float *qr = q + (t0 + i) * q_tok_stride + (int64_t)(kvh * G + g) * D;
+#pragma omp simd
+                    for (int j = 0; j < nkr; j++) s[j] = 0.f;
+                    for (int d = 0; d < D; d++) {
+                        const float qd = qr[d];
+                        const float *kd = kf + (int64_t)d * bs;
+#pragma omp simd
+                        for (int j = 0; j < nkr; j++) s[j] += qd * kd[j];
+                    }
+                    float mx = s[0];
+                    for (int j = 1; j < nkr; j++) mx = s[j] > mx ? s[j] : mx;
+                    const int first = l[rr] == 0.f;
+                    const float m_new = first || mx > m[rr] ? mx : m[rr];
+                    const float corr = first ? 0.f : expf(m[rr] - m_new);
+                    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+                    for (int j = 0; j < nkr; j++) {
+                        float p = expf(s[j] - m_new);
+                        s[j] = p;
+                        sum += p;
+                    }
+                    m[rr] = m_new;
+                    l[rr] = l[rr] * corr + sum;
+                    float *ar = acc + (int64_t)rr * D;
+                    if (!first) {
+#pragma omp simd
+                        for (int d = 0; d < D; d++) ar[d] *= corr;
+                    }
+                    for (int j = 0; j < nkr; j++) {
+                        const float p = s[j];
+                        const float *vj = vf + (int64_t)j * D;
+#pragma omp simd
+                        for (int d = 0; d < D; d++) ar[d] += p * vj[d];
+                    }
+                }
+            }
+            for (int rr = 0; rr < rows; rr++) {
+                const int i = rr / G, g = rr % G;
+                float *o = out + ((t0 + i) * num_heads + kvh * G + g) * (int64_t)D;
+                const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+                for (int d = 0; d < D; d++) o[d] = acc[(int64_t)rr * D + d] * inv;
+            }
+        }
+        free(kf); free(vf); free(s); free(acc); free(m); free(l);
+    }
+    free(item_start);
+}

@@ -1,0 +1,146 @@
+"""The exact reference forward of an Ascend checkpoint, outside vLLM.
+
+`load_reference_model(dir)` builds the transformers model named by the checkpoint's
+config.json and swaps every quantized Linear for a module that computes the reference
+kernels from the stored tensors (`ascend_quant.runtime.qlinear`, reference backend). FLOAT
+tensors load as they are; RMSNorm `.bias` tensors left by smoothing are added after the norm;
+with `kv_cache=True` the C8 scales fake-quantize post-RoPE keys and values per channel.
+The evaluation's quantized perplexity and the vLLM tests compare against this model.
+
+Speed: weight-only schemes (W8A16, W4A16) precompute the dequantized weight once and run a
+float matmul; int8 x int8 products use `torch._int_mm` (exact int32 accumulation) with the
+float32 epilogue of the format, so the result is exact without float64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ascend_quant import numerics
+from ascend_quant.formats.ascend import CheckpointError, read_checkpoint
+from ascend_quant.models.attention import install_attention_hook
+from ascend_quant.runtime.kernels import backend as kernel_backend
+from ascend_quant.runtime.qlinear import LINEAR_SCHEMES, QuantLinear
+
+
+class ReferenceQuantLinear(nn.Module):
+    """A Linear computed by `QuantLinear` (its float `bias`, if any, is passed along; W8A8
+    ignores it because it is folded into quant_bias)."""
+
+    def __init__(self, qlinear: QuantLinear, bias: torch.Tensor | None, prefix: str):
+        super().__init__()
+        self.qlinear = qlinear
+        self.prefix = prefix
+        self.in_features, self.out_features = qlinear.k, qlinear.n
+        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qlinear(x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.qlinear.scheme}, in={self.in_features}, out={self.out_features}"
+
+
+class NormWithBias(nn.Module):
+    """`norm(x) + bias`: an RMSNorm carrying the bias that smoothing moved into it."""
+
+    def __init__(self, norm: nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.norm = norm
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + self.bias.to(x.dtype)
+
+
+def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
+    parent_name, _, leaf = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, module)
+
+
+def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
+                         kv_cache: bool = False, backend: str = "reference") -> nn.Module:
+    """A transformers causal LM computing the checkpoint's exact quantized forward (eval mode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = read_checkpoint(ckpt_dir)
+    if ckpt.config is None:
+        raise CheckpointError(f"{ckpt.path}: no config.json; the reference model needs the architecture")
+    config = AutoConfig.from_pretrained(str(ckpt.path))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    tensors = ckpt.tensors()
+    b = kernel_backend(backend)
+    modules = ckpt.modules()
+    float_state: dict[str, torch.Tensor] = {}
+    norm_biases: dict[str, torch.Tensor] = {}
+    kv_scales: dict[str, torch.Tensor] = {}
+    for prefix, mod in modules.items():
+        scheme = mod.weight_scheme
+        for suffix in mod.suffixes:           # C8 scales sit on k_proj/v_proj, quantized or not
+            if mod.scheme_of(suffix) == "C8":
+                kv_scales[f"{prefix}.{suffix}"] = tensors[f"{prefix}.{suffix}"]
+        if scheme in LINEAR_SCHEMES:
+            suffixes = mod.schemes[scheme]
+            t = {s: tensors[f"{prefix}.{s}"] for s in suffixes}
+            bias = tensors.get(f"{prefix}.bias")
+            ql = QuantLinear.build(scheme, t, backend=b, dtype=dtype)
+            _set_module(model, prefix, ReferenceQuantLinear(ql, bias, prefix))
+            continue
+        for suffix in mod.suffixes:
+            name = f"{prefix}.{suffix}"
+            if mod.scheme_of(suffix) == "C8":
+                continue
+            if scheme not in (None, "FLOAT"):
+                raise CheckpointError(f"{ckpt.description_file}: {prefix}.weight has quant type {scheme!r}, "
+                                      "which the reference model does not serve")
+            target = model.get_submodule(prefix) if prefix else model
+            if suffix == "bias" and not isinstance(target, nn.Linear) and not hasattr(target, "bias"):
+                norm_biases[prefix] = tensors[name].to(dtype)      # smoothing left a norm bias
+            else:
+                float_state[name] = tensors[name]
+    missing, unexpected = model.load_state_dict(float_state, strict=False)
+    if unexpected:
+        raise CheckpointError(f"{ckpt.path}: tensors the model has no place for: {unexpected[:5]}")
+    replaced = {n for n, m in model.named_modules() if isinstance(m, ReferenceQuantLinear)}
+    missing = [m for m in missing if m.rpartition(".")[0] not in replaced]
+    if getattr(config, "tie_word_embeddings", False):
+        missing = [m for m in missing if m != "lm_head.weight"]
+        model.tie_weights()
+    if missing:
+        raise CheckpointError(f"{ckpt.description_file}: no tensor for {missing[:5]} (every parameter of "
+                              "the model needs a description entry)")
+    for prefix, bias in norm_biases.items():
+        _set_module(model, prefix, NormWithBias(model.get_submodule(prefix), bias))
+    if kv_cache and kv_scales:
+        enable_c8_simulation(model, kv_scales)
+    return model
+
+
+def enable_c8_simulation(model: nn.Module, kv_scales: dict[str, torch.Tensor]) -> None:
+    """Fake-quantize post-RoPE K and V per channel with each layer's C8 scale, as the int8
+    cache would store them: `k = clamp(round(k / s), -128, 127) * s`, s indexed h * head_dim + d."""
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in kv_scales.items():
+        if not name.endswith(".kv_cache_scale"):
+            continue
+        parts = name.split(".")
+        layer = int(parts[parts.index("layers") + 1])
+        by_layer.setdefault(layer, {})["k" if ".k_proj." in name else "v"] = t.float()
+
+    def fake_quant(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        _, heads, _, head_dim = t.shape
+        s = scale.reshape(1, heads, 1, head_dim)
+        return numerics.dequantize(numerics.quantize(t, s, 8), s).to(t.dtype)
+
+    def hook(module, key, value):
+        scales = by_layer.get(module.layer_idx)
+        if not scales:
+            return None
+        return fake_quant(key, scales["k"]), fake_quant(value, scales["v"])
+
+    install_attention_hook(model, hook)

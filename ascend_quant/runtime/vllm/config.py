@@ -1,0 +1,217 @@
+"""The `ascend` quantization config for vLLM: reads the checkpoint's description and picks a
+linear method per Linear.
+
+vLLM builds it either from `config.json`'s `quantization_config` (`quant_method: "ascend"`)
+or, with `--quantization ascend`, with no arguments; in both cases `maybe_update_config`
+(which vLLM calls with the model folder before the model is built) reads
+`quant_model_description.json` (or the older names `formats.ascend` accepts) and its
+safetensors headers. Every error names the file and the key, and comes before any weight loads.
+
+Norm biases (smoothing): vLLM's RMSNorm has no bias. The checkpoint weight mapper renames
+`<layer>.input_layernorm.bias` to `<layer>.self_attn.qkv_proj.input_bias` (and
+`post_attention_layernorm` to `mlp.gate_up_proj`), and the consuming Linear's method adds it
+to its input: `W (norm(x) + b)` is exactly what the checkpoint means, because those norms feed
+only those Linears (the residual stream takes the un-normed sum).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+from ascend_quant.formats.ascend import CheckpointError, DESCRIPTION_NAME, TOP_LEVEL_KEYS, read_checkpoint
+from ascend_quant.models import FUSED_GROUPS
+from ascend_quant.schemes import SCHEMES
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+logger = init_logger(__name__)
+
+METHOD_NAME = "ascend"
+ALIAS_NAME = "ascend_quant"
+# RMSNorm -> the (vLLM-fused) Linear that alone consumes its output, per decoder layer.
+NORM_CONSUMERS = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.gate_up_proj"}
+NORM_BIAS_PARAM = "input_bias"
+
+
+class AscendQuantConfig(QuantizationConfig):
+    """msModelSlim / vllm-ascend checkpoints served by ascend-quant's kernels."""
+
+    name = METHOD_NAME
+    _ignore_unexpected_suffixes = QuantizationConfig._ignore_unexpected_suffixes + (
+        ".kv_cache_scale", ".kv_cache_offset")
+
+    def __init__(self, description: dict[str, str] | None = None, meta: dict | None = None,
+                 hf_quant_config: dict | None = None):
+        super().__init__()
+        self.description: dict[str, str] = dict(description or {})
+        self.meta: dict = dict(meta or {})
+        self.hf_quant_config = dict(hf_quant_config or {})
+        self.description_file = DESCRIPTION_NAME
+        self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._warned_c8 = False
+
+    def __repr__(self) -> str:
+        return (f"AscendQuantConfig(model_quant_type={self.meta.get('model_quant_type')!r}, "
+                f"tensors={len(self.description)})")
+
+    # ------------------------------------------------------------------ vLLM API
+    def get_name(self) -> str:
+        return self.name
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Empty on purpose: vLLM then builds the config without arguments and calls
+        # maybe_update_config with the folder, where a missing file gets our own error.
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "AscendQuantConfig":
+        tensor_keys = {k: v for k, v in config.items() if k not in TOP_LEVEL_KEYS and isinstance(v, str)
+                       and k not in ("quant_method",)}
+        if any("." in k for k in tensor_keys):            # a description dict itself
+            meta = {k: config[k] for k in TOP_LEVEL_KEYS if k in config}
+            return cls(tensor_keys, meta)
+        return cls(hf_quant_config=config)                 # config.json's quantization_config
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        # `--quantization ascend_quant` on a checkpoint whose config.json says "ascend"
+        if hf_quant_cfg.get("quant_method") == METHOD_NAME and user_quant == cls.name:
+            return cls.name
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        if not os.path.isdir(model_name):
+            if self.description:
+                return
+            raise ValueError(f"{model_name}: --quantization {self.name} needs a local checkpoint folder "
+                             f"with {DESCRIPTION_NAME} (download it first)")
+        try:
+            ckpt = read_checkpoint(model_name)
+        except CheckpointError as e:
+            raise ValueError(f"--quantization {self.name}: {e}") from None
+        self.description = dict(ckpt.description)
+        self.meta = dict(ckpt.meta)
+        self.description_file = str(ckpt.description_file)
+        self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in ckpt.infos.items()}
+        self.validate()
+
+    def validate(self) -> None:
+        """Unknown quant types and norm biases this runtime cannot place: one error each."""
+        for key, qtype in self.description.items():
+            if qtype not in SCHEMES:
+                raise ValueError(f"{self.description_file}: key {key!r} has unknown quant type {qtype!r} "
+                                 f"(known: {', '.join(SCHEMES)})")
+            if key.endswith("norm.bias") and ".layers." in key:
+                norm = key.rsplit(".", 2)[-2]
+                if norm not in NORM_CONSUMERS:
+                    raise ValueError(f"{self.description_file}: key {key!r}: a bias on {norm!r} is not supported "
+                                     f"(only {', '.join(NORM_CONSUMERS)})")
+            elif key.endswith("norm.bias"):
+                raise ValueError(f"{self.description_file}: key {key!r}: a bias on the final norm is not supported")
+
+    def get_checkpoint_weight_mapper(self):
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        renames = {re.compile(rf"\.{norm}\.bias$"): f".{linear}.{NORM_BIAS_PARAM}"
+                   for norm, linear in NORM_CONSUMERS.items()}
+        # C8: <attn parent>.k_proj.kv_cache_scale -> <attn parent>.attn.k_cache_scale (the attention
+        # layer's parameters, see runtime.vllm.attention); before the q/k/v -> qkv_proj stacking
+        renames[re.compile(r"\.([kv])_proj\.kv_cache_(scale|offset)$")] = r".attn.\1_cache_\2"
+        return super().get_checkpoint_weight_mapper() | WeightsMapper(orig_to_new_regex=renames)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+        from ascend_quant.runtime.vllm.linear import AscendQuantFloatLinearMethod, AscendQuantLinearMethod
+
+        if not isinstance(layer, LinearBase):
+            return self.kv_cache_method(layer, prefix)
+        shards = self.shard_prefixes(prefix)
+        schemes = {}
+        for p in shards:
+            key = f"{p}.weight"
+            if key not in self.description:
+                raise ValueError(f"{self.description_file}: no key {key!r} (every Linear needs a '.weight' "
+                                 "entry; FLOAT marks one left unquantized)")
+            schemes[p] = self.description[key]
+        if len(set(schemes.values())) > 1:
+            detail = ", ".join(f"{p}={s}" for p, s in schemes.items())
+            raise ValueError(f"{self.description_file}: fused layers disagree in quant type ({detail})")
+        scheme = next(iter(schemes.values()))
+        norm_bias = self.norm_bias_key(prefix)
+        if scheme == "FLOAT":
+            return AscendQuantFloatLinearMethod(norm_bias) if norm_bias else UnquantizedLinearMethod()
+        if scheme not in AscendQuantLinearMethod.SCHEMES:
+            raise ValueError(f"{self.description_file}: key {shards[0] + '.weight'!r} has quant type {scheme!r}, "
+                             "which is not a Linear scheme")
+        return AscendQuantLinearMethod(self, scheme, prefix, shards, norm_bias)
+
+    def c8_layers(self) -> list[str]:
+        """Checkpoint prefixes (e.g. model.layers.3.self_attn) that carry C8 KV-cache scales."""
+        return sorted(k[: -len(".k_proj.kv_cache_scale")] for k, v in self.description.items()
+                      if k.endswith(".k_proj.kv_cache_scale") and v == "C8")
+
+    def kv_cache_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The C8 method for an attention layer whose checkpoint has KV-cache scales; None otherwise
+        (that layer's cache stays in the model dtype)."""
+        from vllm.model_executor.layers.attention import Attention
+
+        if not isinstance(layer, Attention):
+            return None
+        parent = prefix.rpartition(".")[0]
+        keys = [f"{parent}.{p}_proj.kv_cache_scale" for p in "kv"]
+        present = [k in self.description for k in keys]
+        if not any(present):
+            return None
+        if not all(present):
+            raise ValueError(f"{self.description_file}: C8 needs both {keys[0]!r} and {keys[1]!r}")
+        from ascend_quant.runtime.vllm.attention import AscendC8KVCacheMethod
+
+        if not self._warned_c8:
+            self._warned_c8 = True
+            logger.info("ascend-quant: KV cache int8 (C8) on the %d attention layers with kv_cache_scale in %s "
+                        "(others stay in the model dtype)", len(self.c8_layers()), self.description_file)
+        return AscendC8KVCacheMethod(self, prefix)
+
+    # ------------------------------------------------------------------ helpers
+    def shard_prefixes(self, prefix: str) -> list[str]:
+        """Checkpoint prefixes behind a vLLM Linear (q/k/v behind qkv_proj)."""
+        parent, _, leaf = prefix.rpartition(".")
+        members = self.packed_modules_mapping.get(leaf) or FUSED_GROUPS.get(leaf)
+        if not members:
+            return [prefix]
+        return [f"{parent}.{m}" if parent else m for m in members]
+
+    def norm_bias_key(self, prefix: str) -> str | None:
+        for norm, linear in NORM_CONSUMERS.items():
+            if prefix.endswith("." + linear):
+                key = f"{prefix[: -len(linear)]}{norm}.bias"
+                return key if key in self.description else None
+        return None
+
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        return self.shapes.get(name, (None,))[0]
+
+    def group_count(self, shard: str, suffix: str = "weight_scale") -> int | None:
+        """Groups along k of a shard's scale from the file header ([n, groups]); None if unknown."""
+        shape = self.tensor_shape(f"{shard}.{suffix}")
+        return shape[-1] if shape and len(shape) == 2 else None
+
+
+class AscendQuantAliasConfig(AscendQuantConfig):
+    """The same method under `ascend_quant`, for hosts where vllm-ascend owns `ascend`."""
+
+    name = ALIAS_NAME

@@ -1,0 +1,212 @@
+"""Op-level tests: every kernel backend available here against the reference arithmetic,
+and the npu backend's torch_npu wiring through the emulation module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.runtime import kernels
+from ascend_quant.runtime.kernels import npu_emulation
+from ascend_quant.runtime.kernels.cpu import CpuBackend, cpu_has_vnni, vllm_cpu_ops
+from ascend_quant.runtime.kernels.npu import NpuBackend
+from ascend_quant.runtime.kernels.reference import ReferenceBackend
+from ascend_quant.runtime.qlinear import QuantLinear
+
+REF = ReferenceBackend()
+
+
+def _backends():
+    out = [pytest.param(CpuBackend(gemm="f32"), id="cpu-f32"), pytest.param(CpuBackend(gemm="int_mm"), id="cpu-int_mm")]
+    if cpu_has_vnni() and vllm_cpu_ops() is not None:
+        out.append(pytest.param(CpuBackend(gemm="onednn"), id="cpu-onednn"))
+    out.append(pytest.param(NpuBackend(nz=True), id="npu-emulated"))
+    return out
+
+
+BACKENDS = _backends()
+
+
+@pytest.fixture(autouse=True)
+def _emulated_torch_npu():
+    with npu_emulation.installed():
+        yield
+
+
+def _weights(n=96, k=160, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(7, k, generator=g) * 2.0
+    x[3] = 0.0                              # an all-zero token
+    x[5, 11] = 40.0                          # an outlier
+    return w, x
+
+
+@pytest.mark.parametrize("b", BACKENDS)
+def test_quantize_static(b):
+    _, x = _weights()
+    scale, offset = numerics.activation_qparams(x.min(), x.max() * 0.8)   # some clipping
+    got = b.quantize_static(x, scale, offset)
+    want = REF.quantize_static(x, scale, offset)
+    assert got.dtype == torch.int8 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("b", BACKENDS)
+def test_quantize_dynamic(b):
+    _, x = _weights()
+    q, s = b.quantize_dynamic(x)
+    rq, rs = REF.quantize_dynamic(x)
+    assert s.shape == rs.shape == (7, 1)
+    torch.testing.assert_close(s, rs, rtol=0, atol=0)
+    assert torch.equal(q, rq)
+
+
+@pytest.mark.parametrize("b", BACKENDS)
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_int8_matmul(b, mode):
+    w, x = _weights()
+    w_q, s_w = numerics.quantize_weight(w, 8)
+    bias = torch.randn(w.shape[0]) * 0.1
+    if mode == "static":
+        s_x, o_x = numerics.activation_qparams(x.min(), x.max())
+        deq = numerics.deq_scale(s_x, s_w)
+        qb = numerics.quant_bias(bias, deq, o_x, w_q)
+        x_q = REF.quantize_static(x, s_x, o_x)
+        args = dict(quant_bias=qb)
+        scale = deq
+    else:
+        x_q, s_t = REF.quantize_dynamic(x)
+        args = dict(pertoken_scale=s_t, bias=bias)
+        scale = s_w
+    got = b.int8_matmul(x_q, b.prepare_int8(w_q, scale), out_dtype=torch.float32, **args)
+    want = REF.int8_matmul(x_q, REF.prepare_int8(w_q, scale), out_dtype=torch.float32, **args)
+    # int32 accumulation is exact; only the float epilogue may round differently
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # and the result approximates the float product
+    ref_float = x @ w.t() + bias
+    assert (got - ref_float).abs().max() < 0.05 * ref_float.abs().max()
+
+
+@pytest.mark.parametrize("b", BACKENDS)
+@pytest.mark.parametrize("bits,group", [(8, 0), (8, 32), (4, 32), (4, 0)])
+@pytest.mark.parametrize("asym", [False, True])
+def test_weight_only_matmul(b, bits, group, asym):
+    w, x = _weights()
+    w_int, scale = numerics.quantize_weight(w, bits, group)
+    offset = None
+    if asym:
+        offset = torch.randint(-3, 4, scale.shape).float()
+    bias = torch.randn(w.shape[0]) * 0.1
+    got = b.weight_only_matmul(x, b.prepare_weight_only(w_int, scale, offset, bits, torch.float32), bias=bias)
+    want = REF.weight_only_matmul(x, REF.prepare_weight_only(w_int, scale, offset, bits), bias=bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_exact_int8_matmul_is_exact_beyond_one_chunk():
+    from ascend_quant.runtime.kernels.reference import exact_int8_matmul
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.full((3, 2500), -128, dtype=torch.int8)          # worst case: every product 2^14
+    w = torch.full((5, 2500), -128, dtype=torch.int8)
+    x[1] = torch.randint(-128, 128, (2500,), generator=g, dtype=torch.int8)
+    want = (x.long() @ w.long().t())
+    assert want.abs().max() > 2**24                              # a plain float32 GEMM would round
+    assert torch.equal(exact_int8_matmul(x, w).long(), want)
+
+
+def test_module_functions_pick_a_backend_and_agree():
+    w, x = _weights()
+    w_q, s_w = numerics.quantize_weight(w, 8)
+    x_q, s_t = kernels.quantize_dynamic(x)
+    y = kernels.int8_matmul(x_q, w_q, s_w, pertoken_scale=s_t)
+    y_ref = REF.int8_matmul(x_q, REF.prepare_int8(w_q, s_w), pertoken_scale=s_t)
+    torch.testing.assert_close(y, y_ref)
+    assert kernels.get_backend("cpu").name == "cpu"
+
+
+def test_forced_backend_and_rejections(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "reference")
+    assert kernels.get_backend("cpu").name == "reference"
+    monkeypatch.setenv(kernels.ENV_VAR, "cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no kernel backend can run int8_matmul on cpu: cuda backend"):
+            kernels.get_backend("cpu", "int8_matmul")
+
+
+def test_npu_backend_passes_the_documented_layouts():
+    """The wiring itself: what each torch_npu op receives."""
+    seen = {}
+    emu = npu_emulation.module()
+
+    def spy(name):
+        fn = getattr(emu, name)
+
+        def wrapped(*a, **kw):
+            seen[name] = (a, kw)
+            return fn(*a, **kw)
+        return wrapped
+
+    import sys
+    for name in ("npu_quantize", "npu_quant_matmul", "npu_weight_quant_batchmatmul"):
+        setattr(sys.modules["torch_npu"], name, spy(name))
+    b = NpuBackend()
+    w, x = _weights()
+    s_x, o_x = numerics.activation_qparams(x.min(), x.max())
+    b.quantize_static(x, s_x, o_x)
+    a, _ = seen["npu_quantize"]
+    assert a[1].dtype == torch.bfloat16 and a[1].shape == (x.shape[-1],)       # 1/s, bf16, repeated to k
+    assert a[1][0].item() == (1 / s_x).to(torch.bfloat16).item() and a[4:] == (-1, False)
+    w_q, s_w = numerics.quantize_weight(w, 8)
+    deq = numerics.deq_scale(s_x, s_w)
+    b.int8_matmul(b.quantize_static(x, s_x, o_x), b.prepare_int8(w_q, deq),
+                  quant_bias=torch.zeros(w.shape[0], dtype=torch.int32), out_dtype=torch.float16)
+    a, kw = seen["npu_quant_matmul"]
+    assert a[1].shape == (w.shape[1], w.shape[0])                                # w_q^T [k, n]
+    assert a[2].dtype == torch.int64 and kw["bias"].dtype == torch.int32         # fp16: int64 deq_scale
+    b.int8_matmul(b.quantize_static(x, s_x, o_x), b.prepare_int8(w_q, deq), out_dtype=torch.bfloat16)
+    assert seen["npu_quant_matmul"][0][2].dtype == torch.float32                 # bf16: float32 deq_scale
+    w4, s4 = numerics.quantize_weight(w, 4, 32)
+    b.weight_only_matmul(x, b.prepare_weight_only(w4, s4, None, 4, torch.float32))
+    a, kw = seen["npu_weight_quant_batchmatmul"]
+    assert a[1].dtype == torch.int32 and a[1].shape == (w.shape[1], w.shape[0] // 8)
+    assert kw["antiquant_scale"].shape == (w.shape[1] // 32, w.shape[0]) and kw["antiquant_group_size"] == 32
+
+
+@pytest.mark.parametrize("b", BACKENDS)
+@pytest.mark.parametrize("scheme", ["W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC", "W4A8_group"])
+def test_quant_linear_matches_reference(b, scheme):
+    """One Linear per scheme through QuantLinear on each backend vs the reference backend."""
+    w, x = _weights(n=64, k=128)
+    bias = torch.randn(64) * 0.1
+    t: dict[str, torch.Tensor] = {}
+    name = scheme
+    if scheme == "W8A8":
+        w_q, s_w = numerics.quantize_weight(w, 8)
+        s_x, o_x = numerics.activation_qparams(x.min(), x.max())
+        deq = numerics.deq_scale(s_x, s_w)
+        t = dict(weight=w_q, input_scale=s_x, input_offset=o_x, deq_scale=numerics.encode_deq_scale(deq, torch.float16),
+                 quant_bias=numerics.quant_bias(bias, deq, o_x, w_q))
+    elif scheme in ("W8A8_DYNAMIC", "W8A16"):
+        w_q, s_w = numerics.quantize_weight(w, 8)
+        t = dict(weight=w_q, weight_scale=s_w, weight_offset=torch.zeros_like(s_w))
+    elif scheme == "W4A16":
+        w4, s = numerics.quantize_weight(w, 4, 32)
+        t = dict(weight=numerics.pack_int4(w4), weight_scale=s, weight_offset=torch.zeros_like(s))
+    elif scheme == "W4A8_DYNAMIC":
+        w4, s = numerics.quantize_weight(w, 4)
+        t = dict(weight=numerics.pack_int4(w4), weight_scale=s, weight_offset=torch.zeros_like(s))
+    else:
+        name = "W4A8_DYNAMIC"
+        w4, s1, s2 = numerics.two_stage_int4(w, 32)
+        t = dict(weight=numerics.pack_int4(w4), weight_scale=s1, weight_offset=torch.zeros_like(s1),
+                 weight_scale_second=s2, weight_offset_second=torch.zeros_like(s2, dtype=torch.int64))
+    got = QuantLinear.build(name, t, backend=b)(x, bias)
+    want = QuantLinear.build(name, t, backend=REF)(x, bias)
+    if b.name == "npu" and name == "W4A8_DYNAMIC":
+        # vllm-ascend serves dense W4A8 weight-only: within activation-rounding error of the reference
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = x @ w.t() + bias
+    assert (want - exact).norm() < (0.2 if "4" in scheme else 0.05) * exact.norm()
