@@ -347,10 +347,13 @@ def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor) -> tupl
 
 @torch.no_grad()
 def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
-                   valid: torch.Tensor | None = None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
+                   valid: torch.Tensor | None = None, release_weights: bool = False) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
     """Quantize `model` in place (fake-quant weights, smoothed norms) layer by layer.
 
     `valid` [N, L] marks real tokens (False: right padding, excluded from every statistic).
+    With `release_weights` each quantized Linear's float weight is dropped once its layer is
+    done (the int8 copy is all the checkpoint needs): memory falls as calibration proceeds
+    instead of holding float and quantized weights side by side.
     Returns the quantized Linears by module name, the C8 scales by attention module name
     (k_scale, v_scale) and a report per layer.
     """
@@ -391,6 +394,11 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
             raise CalibrationError(f"NaN or Inf in the output of {prefix} after quantization")
         if kvq is not None:
             kv_scales[f"{prefix}.{adapter.attention}"] = (kvq.k_scale, kvq.v_scale)
+        if release_weights:
+            for name in results:
+                if name.startswith(prefix + "."):
+                    layer.get_submodule(name[len(prefix) + 1:]).weight = torch.nn.Parameter(
+                        torch.empty(0), requires_grad=False)
         report = LayerReport(i, time.perf_counter() - start)
         for gq in groups:
             for name, scheme in gq.schemes.items():
@@ -417,7 +425,7 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
         prefix = name.rpartition(".")[0]
         if prefix in results or (tied and name == "lm_head.weight"):
             continue
-        tensors[name] = param.detach().to(_float_dtype(model_dtype)).clone()
+        tensors[name] = param.detach().to(_float_dtype(model_dtype))
         types[name] = "FLOAT"
     for attn, (k_scale, v_scale) in kv_scales.items():
         for proj, scale in (("k_proj", k_scale), ("v_proj", v_scale)):
@@ -521,7 +529,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             bar.update(1)
 
     try:
-        results, kv_scales, reports = quantize_model(model, samples.to(device), recipe, progress, valid)
+        results, kv_scales, reports = quantize_model(model, samples.to(device), recipe, progress, valid,
+                                                     release_weights=True)
     finally:
         if bar is not None:
             bar.close()
