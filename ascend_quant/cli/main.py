@@ -52,11 +52,13 @@ def verify_cmd(path: str, as_json: bool) -> None:
 
 
 from ascend_quant.cli.calibrate import calibrate_cmd  # noqa: E402
+from ascend_quant.cli.convert import convert_cmd  # noqa: E402
 from ascend_quant.cli.evaluate import eval_cmd  # noqa: E402
 from ascend_quant.cli.serve import serve  # noqa: E402
 from ascend_quant.cli.upload import upload_cmd  # noqa: E402
 
 cli.add_command(calibrate_cmd)
+cli.add_command(convert_cmd)
 cli.add_command(eval_cmd)
 cli.add_command(upload_cmd)
 cli.add_command(serve)

@@ -1,0 +1,821 @@
+"""`ascend-quant convert`: between the checkpoint layouts users already have.
+
+    detect_layout(src)                 -> "ascend-v1" | "ascend-v1-sharded" | "ascend-v0" | "ascend-mindie"
+                                          | "compressed-tensors"          (ConversionError otherwise)
+    convert(src, out, to=..., dtype=..., config_from=..., drop_kv_cache=...) -> ConversionResult
+
+Directions (one function each):
+  ascend_to_ascend                  any msModelSlim layout (v1, sharded, v0, MindIE names) -> v1; deq_scale
+                                    re-encoded for the serving dtype; config/tokenizer from `--config-from`.
+  ascend_to_compressed_tensors      Ascend -> compressed-tensors, for the schemes that have an equivalent.
+  compressed_tensors_to_ascend      compressed-tensors (llm-compressor) -> Ascend.
+
+Scheme map (n = out features, k = in features; every formula is `ascend_quant.numerics`'):
+
+  W8A8 (static)       <-> int-quantized: int8 channel sym weights, int8 tensor static asym input
+                          (`input_scale`, `input_zero_point` = input_offset). `weight_scale` is the
+                          float32 s_w with `s_x * s_w == deq_scale` bit for bit (the stored one if
+                          consistent, else recovered within a few ulp); quant_bias recomputed from the
+                          float bias (and checked on the way out).
+  W8A8_DYNAMIC        <-> int-quantized: int8 channel sym weights, int8 token dynamic sym input.
+  W8A16               <-> pack-quantized: 8-bit channel (or group) sym, weight-only.
+  W4A16               <-> pack-quantized: 4-bit group (or channel) sym, weight-only; int4 repacked
+                          from n-pairs in int8 to int32 words along k.
+  W4A8_DYNAMIC        <-> int-quantized: 4-bit channel sym weights + int8 token dynamic input;
+                          scale_bias recomputed.
+  W4A8 two-stage      <-> the same with 4-bit group weights, scale = two_stage_scale(s1, s2); back as
+    (per-group)           s1 = 1, s2 = that scale (same product, same dequantized weight; the original
+                          s1/s2 split is not representable).
+  C8 (int8 KV)        <-> kv_cache_scheme int8 sym, `self_attn.k_scale`/`v_scale`: per-tensor broadcast
+                          to per-channel, per-head (attn_head) repeated over head_dim; per-channel C8
+                          scales have no equivalent.
+  FLOAT Linear        <-> `ignore`.
+
+No equivalent (refused, naming file and layer): asymmetric weights, fp8 weights or KV, actorder
+permutations, block/tensor-group strategies, static activations on anything but 8-bit per-channel
+weights, output activations, RMSNorm biases left by smoothing (stock vLLM drops them silently),
+quant_bias that does not follow from the float bias.
+
+Exactness: before writing, the dequantized weight of every quantized Linear on the output side
+is compared bit for bit with the source's (`dequantized_weights`; for static W8A8 coming from
+compressed-tensors, that deq_scale reproduces `s_x * s_w` of the source scales bit for bit, since
+the Ascend layout keeps no weight scale). Scales are carried as float32. The one runtime difference
+that remains is the activation rounding of static W8A8: vllm-ascend multiplies by the reciprocal
+input scale rounded to bf16 (`numerics.quantize_activation_static`), compressed-tensors divides by
+the float scale, so an element within `|x / s| * 2^-9` of a rounding boundary can land one int8 step
+apart (weights, scales and zero points are identical).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.formats import compressed_tensors as ctf
+from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_NAME, Checkpoint, CheckpointError,
+                                         dominant_quant_type, read_checkpoint, write_checkpoint)
+from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
+from ascend_quant.schemes import SCHEMES
+
+TARGETS = ("ascend-v1", "compressed-tensors")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_ULP_SEARCH = 4
+
+
+class ConversionError(Exception):
+    """A conversion that cannot be done; the message (one line) names file and layer."""
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    source_layout: str
+    target: str
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------ detection
+
+def detect_layout(path: str | os.PathLike) -> str:
+    """The layout of a checkpoint folder; ConversionError for unknown or mixed layouts."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConversionError(f"{path}: no such folder")
+    descriptions = sorted(path.glob("quant_model_description*.json"))
+    v1_weights = sorted(path.glob("quant_model_weights*.safetensors"))
+    v0_weights = sorted(path.glob("quant_model_weight_*.safetensors"))
+    other = sorted(p for p in path.glob("*.safetensors") if p not in v1_weights and p not in v0_weights)
+    try:
+        ct = ctf.is_compressed_tensors(path)
+    except ctf.CompressedTensorsError as e:
+        raise ConversionError(str(e)) from None
+    if descriptions and ct:
+        raise ConversionError(f"{path}: mixed layouts: {descriptions[0].name} (Ascend) and config.json "
+                              "quantization_config (compressed-tensors) in one folder; keep one")
+    if ct:
+        mixed = v1_weights + v0_weights
+        if mixed:
+            raise ConversionError(f"{path}: mixed layouts: {mixed[0].name} (Ascend weights) in a compressed-tensors "
+                                  "folder")
+        return "compressed-tensors"
+    if not descriptions:
+        hint = " (a float model? quantize it with `ascend-quant calibrate`)" if other else ""
+        raise ConversionError(f"{path}: unknown source layout: no quant_model_description*.json and no "
+                              f"compressed-tensors quantization_config in config.json{hint}")
+    if len(descriptions) > 1:
+        raise ConversionError(f"{path}: mixed layouts: {', '.join(p.name for p in descriptions)}; keep one "
+                              "description file")
+    if v1_weights and v0_weights:
+        raise ConversionError(f"{path}: mixed layouts: {v1_weights[0].name} (v1) and {v0_weights[0].name} (v0) "
+                              "weight files in one folder")
+    if other:
+        raise ConversionError(f"{path}: mixed layouts: {other[0].name} beside the Ascend weights (vLLM would load "
+                              "both); remove it")
+    if not (v1_weights or v0_weights):
+        raise ConversionError(f"{path}: {descriptions[0].name} but no quant_model_weight*.safetensors")
+    desc = descriptions[0]
+    if desc.name != DESCRIPTION_NAME:
+        return "ascend-mindie"
+    if v0_weights:
+        return "ascend-v0"
+    if (path / INDEX_NAME).is_file() or any(p.name != WEIGHTS_NAME for p in v1_weights):
+        return "ascend-v1-sharded"
+    return "ascend-v1"
+
+
+# ------------------------------------------------------------------------ entry point
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "ascend-v1",
+            dtype: str | None = None, config_from: str | os.PathLike | None = None,
+            drop_kv_cache: bool = False) -> ConversionResult:
+    """Convert checkpoint `src` into a new folder `out` (never overwritten; nothing is written
+    when the conversion fails)."""
+    src, out = Path(src), Path(out)
+    if to not in TARGETS:
+        raise ConversionError(f"unknown target layout {to!r} (known: {', '.join(TARGETS)})")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"unknown --dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if out.exists():
+        raise ConversionError(f"{out}: already exists; choose a new output folder")
+    layout = detect_layout(src)
+    side = Path(config_from) if config_from else None
+    if side is not None and not (side / "config.json").is_file():
+        raise ConversionError(f"{side}: --config-from needs a model folder with config.json")
+    serve_dtype = DTYPES[dtype] if dtype else None
+    try:
+        if layout == "compressed-tensors":
+            if to == "compressed-tensors":
+                raise ConversionError(f"{src}: already compressed-tensors; nothing to convert")
+            result = compressed_tensors_to_ascend(ctf.read_compressed_tensors(src), out, serve_dtype, side,
+                                                  drop_kv_cache)
+        else:
+            ckpt = read_checkpoint(src)
+            if to == "ascend-v1":
+                result = ascend_to_ascend(ckpt, out, serve_dtype, side)
+            else:
+                result = ascend_to_compressed_tensors(ckpt, out, serve_dtype, side, drop_kv_cache)
+    except (CheckpointError, ctf.CompressedTensorsError) as e:
+        raise ConversionError(str(e)) from None
+    result.source_layout = layout
+    return result
+
+
+# ------------------------------------------------------------------------ helpers
+
+def _load_config(ckpt_config: dict | None, side: Path | None) -> dict | None:
+    if side is not None:
+        return json.loads((side / "config.json").read_text())
+    return json.loads(json.dumps(ckpt_config)) if ckpt_config is not None else None
+
+
+def _config_dtype(config: dict | None) -> torch.dtype | None:
+    if not config:
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(str(name))
+
+
+def _set_config_dtype(config: dict, dtype: torch.dtype) -> None:
+    config["dtype"] = _DTYPE_NAMES[dtype]
+    if "torch_dtype" in config:
+        config["torch_dtype"] = _DTYPE_NAMES[dtype]
+
+
+def _with_ascend_method(config: dict | None, meta: dict) -> dict | None:
+    if config is None:
+        return None
+    config = dict(config)
+    config.pop("compression_config", None)
+    config["quantization_config"] = {"quant_method": "ascend", "scheme": meta.get("model_quant_type"),
+                                     "group_size": meta.get("group_size", 0),
+                                     "kv_cache": "C8" if meta.get("kv_cache_type") == "C8" else None}
+    return config
+
+
+def _fmt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _is_linear_weight(name: str, t_shape: tuple[int, ...]) -> bool:
+    """A float `.weight` of a Linear (not an embedding or norm): what compressed-tensors' `ignore` lists."""
+    prefix = name.rpartition(".")[0]
+    leaf = prefix.rpartition(".")[2]
+    return (name.endswith(".weight") and len(t_shape) == 2 and "embed" not in leaf and "norm" not in leaf
+            and leaf not in ("wte", "wpe"))
+
+
+def recover_weight_scale(deq: torch.Tensor, input_scale: torch.Tensor, stored: torch.Tensor | None = None,
+                         where: str = "") -> torch.Tensor:
+    """The float32 per-channel weight scale `s_w` [n] with `numerics.deq_scale(s_x, s_w) == deq`
+    bit for bit: the stored weight_scale when it reproduces deq_scale, else `deq / s_x` moved by
+    up to a few ulp until the product matches (it exists whenever deq was made as s_x * s_w)."""
+    deq = deq.float().reshape(-1)
+    if stored is not None:
+        s = stored.float().reshape(-1)
+        if s.shape == deq.shape and torch.equal(numerics.deq_scale(input_scale, s), deq):
+            return s
+    s = deq / input_scale.float().reshape(-1)
+    found = torch.equal(numerics.deq_scale(input_scale, s), deq)
+    if found:
+        return s
+    best = s.clone()
+    ok = numerics.deq_scale(input_scale, s) == deq
+    for direction in (float("inf"), float("-inf")):
+        cand = s.clone()
+        for _ in range(_ULP_SEARCH):
+            cand = torch.nextafter(cand, torch.full_like(cand, direction))
+            hit = (numerics.deq_scale(input_scale, cand) == deq) & ~ok
+            best[hit] = cand[hit]
+            ok |= hit
+    if not bool(ok.all()):
+        raise ConversionError(f"{where}: deq_scale of {int((~ok).sum())} channel(s) is not input_scale times any "
+                              "float32 weight scale; no exact compressed-tensors equivalent")
+    return best
+
+
+# ------------------------------------------------------------- dequantized weights
+
+def ascend_dequantized(scheme: str, t: Mapping[str, torch.Tensor], where: str = "") -> torch.Tensor:
+    """The float32 weight [n, k] an Ascend Linear's tensors stand for (by suffix)."""
+    bits = SCHEMES[scheme].weight_bits
+    w = t["weight"].to(torch.int8)
+    w = numerics.unpack_int4(w) if bits == 4 else w
+    if scheme == "W8A8":
+        s = recover_weight_scale(numerics.decode_deq_scale(t["deq_scale"]), t["input_scale"],
+                                 t.get("weight_scale"), where)
+        return numerics.dequantize(w, s.reshape(-1, 1))
+    if scheme == "W4A8_DYNAMIC" and "weight_scale_second" in t:
+        return numerics.dequantize(w, numerics.two_stage_scale(t["weight_scale"].float(),
+                                                               t["weight_scale_second"].float()))
+    offset = t.get("weight_offset")
+    scale = t["weight_scale"].float().reshape(w.shape[0], -1)
+    return numerics.dequantize(w, scale, None if offset is None else offset.float().reshape(w.shape[0], -1))
+
+
+def ct_dequantized(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """compressed-tensors' dequantization `(q - zp) * s` in float32 ([1], [n,1] or [n,k/g] scales)."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1)
+    zp = None if zero_point is None else zero_point.float().reshape(scale.shape)
+    return numerics.dequantize(q, scale, zp)
+
+
+def dequantized_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """module prefix -> float32 dequantized weight [n, k] of every quantized Linear of a folder
+    in either layout (what the conversion keeps bit for bit)."""
+    path = Path(path)
+    if detect_layout(path) == "compressed-tensors":
+        ct = ctf.read_compressed_tensors(path)
+        t = ct.tensors()
+        out = {}
+        for prefix in ct.quantized_modules():
+            g = ct.group_for(prefix)
+            q = ctf.int_weight(ct, prefix, t, g.weights.num_bits)
+            out[prefix] = ct_dequantized(q, t[f"{prefix}.weight_scale"], t.get(f"{prefix}.weight_zero_point"))
+        return out
+    ckpt = read_checkpoint(path)
+    t = ckpt.tensors()
+    out = {}
+    for prefix, mod in ckpt.modules().items():
+        scheme = mod.weight_scheme
+        if scheme in SCHEMES and SCHEMES[scheme].weight_bits:
+            sub = {s: t[f"{prefix}.{s}"] for s in mod.schemes[scheme]}
+            out[prefix] = ascend_dequantized(scheme, sub, f"{ckpt.description_file.name}: {prefix}")
+    return out
+
+
+def _check_exact(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], where: str) -> None:
+    if set(before) != set(after):
+        diff = sorted(set(before) ^ set(after))
+        raise ConversionError(f"{where}: internal error: quantized layers differ after conversion ({diff[:3]})")
+    for prefix, w in before.items():
+        if not torch.equal(w, after[prefix]):
+            raise ConversionError(f"{where}: internal error: {prefix} dequantizes differently after conversion")
+
+
+# ------------------------------------------------------------------ Ascend -> Ascend
+
+def ascend_to_ascend(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | None,
+                     side: Path | None) -> ConversionResult:
+    """Any msModelSlim layout -> v1: v1 file names, every tensor described, deq_scale encoded for
+    the serving dtype (`--dtype`, else config.json's), config and tokenizer from `side` if given."""
+    notes: list[str] = []
+    desc_name = ckpt.description_file.name
+    tensors = ckpt.tensors(list(ckpt.tensor_files))
+    description = dict(ckpt.description)
+    for name, qtype in description.items():
+        if qtype not in SCHEMES:
+            raise ConversionError(f"{desc_name}: {name!r} has unknown quant type {qtype!r}")
+        if name not in tensors:
+            raise ConversionError(f"{desc_name}: {name!r} is described but no weight file holds it")
+    added = []
+    for name, t in tensors.items():
+        if name not in description:
+            if not t.is_floating_point():
+                raise ConversionError(f"{ckpt.tensor_files[name].name}: {t.dtype} tensor {name!r} has no entry in "
+                                      f"{desc_name}; its quant type cannot be guessed")
+            description[name] = "FLOAT"
+            added.append(name)
+    if added:
+        notes.append(f"added FLOAT entries for {len(added)} undescribed float tensor(s) (e.g. {added[0]})")
+    config = _load_config(ckpt.config, side)
+    if config is None:
+        notes.append("no config.json: pass --config-from MODEL to add config and tokenizer (needed to serve)")
+    target = serve_dtype or _config_dtype(config)
+    if serve_dtype is not None and config is not None:
+        _set_config_dtype(config, serve_dtype)
+    if target is not None:
+        n_changed = 0
+        for name in [n for n in tensors if n.endswith(".deq_scale") and description.get(n) == "W8A8"]:
+            want = numerics.deq_scale_dtype_for(target)
+            if tensors[name].dtype != want:
+                decoded = numerics.decode_deq_scale(tensors[name])
+                tensors[name] = numerics.encode_deq_scale(decoded, target)
+                assert torch.equal(numerics.decode_deq_scale(tensors[name]), decoded)
+                n_changed += 1
+        if n_changed:
+            notes.append(f"re-encoded {n_changed} deq_scale tensor(s) as {_fmt(numerics.deq_scale_dtype_for(target))} "
+                         f"for {_fmt(target)} serving (the float32 values are unchanged)")
+    if serve_dtype is not None and config is not None:
+        notes.append(f"config.json dtype set to {_DTYPE_NAMES[serve_dtype]}")
+    meta = ckpt.meta
+    write_checkpoint(out, tensors, description, group_size=ckpt.group_size,
+                     source_dir=side if side is not None else ckpt.path,
+                     config=_with_ascend_method(config, {**meta, "group_size": ckpt.group_size,
+                                                         "kv_cache_type": "C8" if "C8" in description.values()
+                                                         else None,
+                                                         "model_quant_type": meta.get("model_quant_type")}),
+                     metadata=meta.get("metadata"))
+    return ConversionResult(out, ckpt.layout, "ascend-v1", notes)
+
+
+# ---------------------------------------------------------- Ascend -> compressed-tensors
+
+def _regex_targets(names: list[str], all_names: set[str]) -> list[str]:
+    """Compact targets: `re:` a layer-indexed pattern when it covers exactly these modules."""
+    out: list[str] = []
+    done: set[str] = set()
+    for name in names:
+        if name in done:
+            continue
+        m = re.search(r"\.layers\.\d+\.", name)
+        if m:
+            pattern = re.escape(name[:m.start()]) + r"\.layers\.\d+\." + re.escape(name[m.end():]) + "$"
+            covered = {n for n in all_names if re.match(pattern, n)}
+            if covered and covered <= set(names):
+                out.append("re:" + pattern)
+                done |= covered
+                continue
+        out.append(name)
+        done.add(name)
+    return out
+
+
+def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | None,
+                                 side: Path | None, drop_kv_cache: bool = False) -> ConversionResult:
+    notes: list[str] = []
+    desc_name = ckpt.description_file.name
+    config = _load_config(ckpt.config, side)
+    if config is None:
+        raise ConversionError(f"{ckpt.path}: no config.json; compressed-tensors keeps its quantization_config "
+                              "there (pass --config-from MODEL)")
+    t = ckpt.tensors()
+    modules = ckpt.modules()
+    linear_prefixes = {p for p, m in modules.items() if m.weight_scheme not in (None, "C8")
+                       and (m.weight_scheme != "FLOAT" or _is_linear_weight(f"{p}.weight",
+                                                                             tuple(t[f"{p}.weight"].shape)))}
+    out_t: dict[str, torch.Tensor] = {}
+    signature_of: dict[str, tuple] = {}
+    ignore: list[str] = []
+    before: dict[str, torch.Tensor] = {}
+    after: dict[str, torch.Tensor] = {}
+    kv: dict[str, torch.Tensor] = {}
+    for prefix, mod in modules.items():
+        scheme = mod.weight_scheme
+        for suffix in sorted(mod.suffixes):
+            qtype = mod.scheme_of(suffix)
+            name = f"{prefix}.{suffix}"
+            if qtype == "C8":
+                kv[name] = t[name]
+            elif qtype == "FLOAT" and suffix == "bias" and prefix not in linear_prefixes and \
+                    "norm" in prefix.rpartition(".")[2]:
+                raise ConversionError(f"{ckpt.tensor_files[name].name}: {name} is an RMSNorm bias left by "
+                                      "smoothing; compressed-tensors has no equivalent (vLLM's RMSNorm has no bias "
+                                      "and drops it silently)")
+        if scheme in (None, "C8"):
+            continue
+        if scheme == "FLOAT":
+            for suffix in mod.schemes["FLOAT"]:
+                out_t[f"{prefix}.{suffix}"] = t[f"{prefix}.{suffix}"]
+            if prefix in linear_prefixes:
+                ignore.append(prefix)
+            continue
+        where = f"{ckpt.tensor_files[prefix + '.weight'].name}: {prefix}"
+        sub = {s: t[f"{prefix}.{s}"] for s in mod.schemes[scheme]}
+        bias = t.get(f"{prefix}.bias") if mod.scheme_of("bias") == "FLOAT" else None
+        sig, tensors_ct = _ascend_linear_to_ct(scheme, sub, bias, where, ckpt.group_size)
+        signature_of[prefix] = sig
+        for s, v in tensors_ct.items():
+            out_t[f"{prefix}.{s}"] = v
+        if bias is not None:
+            out_t[f"{prefix}.bias"] = bias
+        before[prefix] = ascend_dequantized(scheme, sub, where)
+        q = tensors_ct.get("weight")
+        if q is None:
+            k = int(tensors_ct["weight_shape"][1])
+            q = ctf.unpack_int32(tensors_ct["weight_packed"], sig[0][0], k)
+        after[prefix] = ct_dequantized(q, tensors_ct["weight_scale"])
+    _check_exact(before, after, str(ckpt.path))
+    kv_scheme = None
+    if kv:
+        if drop_kv_cache:
+            notes.append(f"dropped {len(kv)} C8 KV-cache tensor(s) (--drop-kv-cache): the KV cache is not quantized")
+        else:
+            kv_scheme, kv_t = _c8_to_ct(kv, ckpt, config)
+            out_t.update(kv_t)
+    # config groups: one per distinct scheme, targets compacted to layer-indexed regexes
+    groups: list[ctf.Group] = []
+    by_sig: dict[tuple, list[str]] = {}
+    for prefix, sig in signature_of.items():
+        by_sig.setdefault(sig, []).append(prefix)
+    all_linear = set(linear_prefixes)
+    for i, (sig, prefixes) in enumerate(by_sig.items()):
+        (bits, strategy, group_size), act, fmt = sig
+        weights = ctf.QArgs(bits, "int", True, strategy, group_size, False)
+        inp = None
+        if act == "static":
+            inp = ctf.QArgs(8, "int", False, "tensor", None, False)
+        elif act == "dynamic":
+            inp = ctf.QArgs(8, "int", True, "token", None, True)
+        groups.append(ctf.Group(f"group_{i}", _regex_targets(prefixes, all_linear), weights, inp, None, fmt))
+    qconfig = ctf.build_quantization_config(groups, ignore, kv_scheme)
+    config = dict(config)
+    config["quantization_config"] = qconfig
+    if serve_dtype is not None:
+        _set_config_dtype(config, serve_dtype)
+        notes.append(f"config.json dtype set to {_DTYPE_NAMES[serve_dtype]} (scales stay float32)")
+    if any(s[0][1] == "group" and s[0][0] == 4 and s[1] == "dynamic" for s in by_sig):
+        notes.append("two-stage per-group W4A8 written as one float32 scale per group (s2 * bf16(s1)); converting "
+                     "back gives weight_scale 1 and that product as weight_scale_second (same dequantized weight)")
+    ctf.write_compressed_tensors(out, out_t, config, source_dir=side if side is not None else ckpt.path)
+    return ConversionResult(out, ckpt.layout, "compressed-tensors", notes)
+
+
+def _ascend_linear_to_ct(scheme: str, t: Mapping[str, torch.Tensor], bias: torch.Tensor | None, where: str,
+                         group_size: int) -> tuple[tuple, dict[str, torch.Tensor]]:
+    """One quantized Linear: ((bits, strategy, group_size), activation, format) and its CT tensors."""
+    bits = SCHEMES[scheme].weight_bits
+    w = t["weight"].to(torch.int8)
+    w = numerics.unpack_int4(w) if bits == 4 else w
+    n, k = w.shape
+    offset = t.get("weight_offset")
+    if offset is not None and bool(torch.any(offset != 0)):
+        raise ConversionError(f"{where}: {scheme} with a nonzero weight_offset (asymmetric weights) is not converted")
+    if scheme == "W8A8":
+        s_x = t["input_scale"].float().reshape(1)
+        o_x = t["input_offset"].float().reshape(1)
+        deq = numerics.decode_deq_scale(t["deq_scale"]).reshape(-1)
+        s_w = recover_weight_scale(deq, s_x, t.get("weight_scale"), where)
+        expected = numerics.quant_bias(bias, deq, o_x, w)
+        if not torch.equal(expected, t["quant_bias"].to(torch.int32).reshape(-1)):
+            raise ConversionError(f"{where}: quant_bias does not follow from the float bias and input_offset; "
+                                  "no compressed-tensors equivalent")
+        if o_x.round() != o_x or not -128 <= float(o_x) <= 127:
+            raise ConversionError(f"{where}: input_offset {float(o_x)} is not an int8 zero point")
+        return ((8, "channel", None), "static", ctf.INT_QUANTIZED), {
+            "weight": w, "weight_scale": s_w.reshape(n, 1), "input_scale": s_x,
+            "input_zero_point": o_x.to(torch.int8)}
+    if scheme == "W8A8_DYNAMIC":
+        return ((8, "channel", None), "dynamic", ctf.INT_QUANTIZED), {
+            "weight": w, "weight_scale": t["weight_scale"].float().reshape(n, 1)}
+    if scheme == "W4A8_DYNAMIC":
+        if "weight_scale_second" in t:
+            if t.get("weight_offset_second") is not None and bool(torch.any(t["weight_offset_second"] != 0)):
+                raise ConversionError(f"{where}: nonzero weight_offset_second (asymmetric) is not converted")
+            scale = numerics.two_stage_scale(t["weight_scale"].float(), t["weight_scale_second"].float())
+            g = k // scale.shape[-1]
+            return ((4, "group", g), "dynamic", ctf.INT_QUANTIZED), {"weight": w, "weight_scale": scale}
+        return ((4, "channel", None), "dynamic", ctf.INT_QUANTIZED), {
+            "weight": w, "weight_scale": t["weight_scale"].float().reshape(n, 1)}
+    # weight-only W8A16 / W4A16: pack-quantized
+    scale = t["weight_scale"].float().reshape(n, -1)
+    if scale.shape[-1] == 1:
+        qa = (bits, "channel", None)
+    else:
+        qa = (bits, "group", k // scale.shape[-1])
+    return (qa, "none", ctf.PACK_QUANTIZED), {
+        "weight_packed": ctf.pack_int32(w, bits), "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+        "weight_scale": scale}
+
+
+def _kv_geometry(config: dict | None) -> tuple[int, int] | None:
+    if not config:
+        return None
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config["hidden_size"] // config["num_attention_heads"]
+                                          if "hidden_size" in config and "num_attention_heads" in config else None)
+    return (int(heads), int(head_dim)) if heads and head_dim else None
+
+
+def _c8_to_ct(kv: dict[str, torch.Tensor], ckpt: Checkpoint, config: dict) -> tuple[ctf.QArgs, dict]:
+    """C8 per-channel scales -> compressed-tensors k_scale/v_scale: per-tensor when every channel
+    has the same scale, per-head (attn_head) when constant within each head; else refused."""
+    geometry = _kv_geometry(config)
+    out: dict[str, torch.Tensor] = {}
+    strategies = set()
+    for name, scale in kv.items():
+        if not name.endswith(".kv_cache_scale"):
+            if bool(torch.any(scale != 0)):
+                raise ConversionError(f"{ckpt.tensor_files[name].name}: {name} is not zero (asymmetric KV); "
+                                      "no compressed-tensors equivalent")
+            continue
+        proj_prefix = name.rpartition(".")[0]
+        attn, _, proj = proj_prefix.rpartition(".")
+        s = scale.float().reshape(-1)
+        if bool(torch.all(s == s[0])):
+            strategies.add("tensor")
+            value = s[:1].clone()
+        elif geometry and s.numel() == geometry[0] * geometry[1] and bool(
+                torch.all(s.reshape(geometry) == s.reshape(geometry)[:, :1])):
+            strategies.add("attn_head")
+            value = s.reshape(geometry)[:, :1].reshape(geometry[0], 1, 1).clone()
+        else:
+            raise ConversionError(f"{ckpt.tensor_files[name].name}: {name} holds per-channel int8 KV scales; "
+                                  "compressed-tensors' KV cache is per-tensor or per-head only (pass "
+                                  "--drop-kv-cache to convert the weights without it)")
+        out[f"{attn}.{proj[0]}_scale"] = value
+    if len(strategies) > 1:
+        raise ConversionError(f"{ckpt.description_file.name}: C8 scales mix per-tensor and per-head layers; "
+                              "compressed-tensors has one kv_cache_scheme")
+    strategy = strategies.pop()
+    if strategy == "attn_head":     # attn_head everywhere: per-tensor layers broadcast to per-head
+        out = {k: (v.reshape(1, 1, 1).expand(geometry[0], 1, 1).clone() if v.numel() == 1 else v)
+               for k, v in out.items()}
+    return ctf.QArgs(8, "int", True, strategy, None, False), out
+
+
+# ---------------------------------------------------------- compressed-tensors -> Ascend
+
+def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: torch.dtype | None,
+                                 side: Path | None, drop_kv_cache: bool = False) -> ConversionResult:
+    notes: list[str] = []
+    config = _load_config(ct.config, side)
+    target_dtype = serve_dtype or _config_dtype(config) or torch.float32
+    t = ct.tensors()
+    quantized = ct.quantized_modules()
+    consumed: set[str] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    description: dict[str, str] = {}
+    group_sizes: dict[str, set[int]] = {"W4A8": set(), "W4A16": set()}
+    before: dict[str, torch.Tensor] = {}
+    per_layer: dict[str, dict] = {}
+    for prefix in quantized:
+        where = f"{ct.file_of(prefix + '.weight_scale')}: {prefix}"
+        if ct.is_ignored(prefix):
+            raise ConversionError(f"{where}: layer is in quantization_config.ignore but has quantized tensors")
+        g = ct.group_for(prefix)
+        if g is None:
+            raise ConversionError(f"{where}: no config group targets this layer")
+        scheme, sub, q, w8a8_scale = _ct_linear_to_ascend(ct, g, prefix, t, where, target_dtype)
+        per_layer[prefix] = {"scheme": scheme, "tensors": sub, "q": q, "w8a8_scale": w8a8_scale}
+        consumed |= {f"{prefix}.{s}" for s in ctf.QUANT_SUFFIXES if f"{prefix}.{s}" in t}
+        before[prefix] = ct_dequantized(q, t[f"{prefix}.weight_scale"])
+        if scheme in ("W4A16",):
+            group_sizes["W4A16"].add(q.shape[1] // sub["weight_scale"].shape[-1])
+        if scheme == "W4A8_DYNAMIC" and "weight_scale_second" in sub:
+            group_sizes["W4A8"].add(q.shape[1] // sub["weight_scale_second"].shape[-1])
+    if len(group_sizes["W4A8"]) > 1:
+        raise ConversionError(f"{ct.config_file}: per-group W4A8 layers use different group sizes "
+                              f"{sorted(group_sizes['W4A8'])}; the Ascend description has one group_size")
+    group_size = next(iter(group_sizes["W4A8"]), None)
+    if group_size is None:
+        group_size = next(iter(group_sizes["W4A16"])) if len(group_sizes["W4A16"]) == 1 else 0
+    # static W8A8: fused siblings must share one input scale / offset (vllm-ascend keeps one)
+    for prefix, layer in per_layer.items():
+        if layer["scheme"] != "W8A8":
+            continue
+        for sib in fused_siblings(prefix) or ():
+            other = per_layer.get(sib)
+            if other is None or other["scheme"] != "W8A8":
+                continue
+            for s in ("input_scale", "input_offset"):
+                if not torch.equal(layer["tensors"][s], other["tensors"][s]):
+                    raise ConversionError(f"{ct.file_of(prefix + '.input_scale')}: {prefix} and {sib} have different "
+                                          f"{s.replace('offset', 'zero_point')}; vllm-ascend serves fused layers "
+                                          "with one (calibrate them on the shared input)")
+    after: dict[str, torch.Tensor] = {}
+    for prefix, layer in per_layer.items():
+        scheme = layer["scheme"]
+        for s, v in layer["tensors"].items():
+            tensors[f"{prefix}.{s}"] = v
+            description[f"{prefix}.{s}"] = scheme
+        where = f"{ct.file_of(prefix + '.weight_scale')}: {prefix}"
+        check = dict(layer["tensors"])
+        if layer["w8a8_scale"] is not None:     # deq_scale must reproduce s_x * s_w bit for bit
+            check["weight_scale"] = layer["w8a8_scale"]
+        after[prefix] = ascend_dequantized(scheme, check, where)
+    _check_exact(before, after, str(ct.path))
+    # KV cache scales
+    kv_names = [n for n in t if n.rpartition(".")[2] in ctf.KV_SUFFIXES]
+    if ct.kv_cache_scheme is not None or kv_names:
+        consumed |= set(kv_names)
+        if drop_kv_cache:
+            notes.append(f"dropped {len(kv_names)} KV-cache scale tensor(s) (--drop-kv-cache): the KV cache is "
+                         "not quantized")
+        else:
+            for name, v in _ct_kv_to_c8(ct, t, kv_names, config).items():
+                tensors[name] = v
+                description[name] = "C8"
+    # everything else stays float
+    for name, v in t.items():
+        if name in consumed:
+            continue
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in ctf.QUANT_SUFFIXES and suffix not in ("weight",):
+            raise ConversionError(f"{ct.file_of(name)}: {name} belongs to no quantized layer of quantization_config")
+        if not v.is_floating_point():
+            raise ConversionError(f"{ct.file_of(name)}: {v.dtype} tensor {name} outside any quantized layer; "
+                                  "no Ascend equivalent")
+        tensors[name] = v
+        description[name] = "FLOAT"
+    if config is not None and serve_dtype is not None:
+        _set_config_dtype(config, serve_dtype)
+        notes.append(f"config.json dtype set to {_DTYPE_NAMES[serve_dtype]}")
+    if any(l["scheme"] == "W8A8" for l in per_layer.values()):
+        notes.append(f"static W8A8 deq_scale stored as {_fmt(numerics.deq_scale_dtype_for(target_dtype))} for "
+                     f"{_fmt(target_dtype)} serving")
+    if any(l["scheme"] == "W4A16" for l in per_layer.values()):
+        notes.append("W4A16 is served by ascend-quant's runtime; vllm-ascend 0.23 does not serve it for dense Linears")
+    meta = {"model_quant_type": dominant_quant_type(description), "group_size": group_size,
+            "kv_cache_type": "C8" if "C8" in description.values() else None}
+    write_checkpoint(out, tensors, description, group_size=group_size,
+                     source_dir=side if side is not None else ct.path, config=_with_ascend_method(config, meta))
+    return ConversionResult(out, "compressed-tensors", "ascend-v1", notes)
+
+
+def _ct_linear_to_ascend(ct: ctf.CTCheckpoint, g: ctf.Group, prefix: str, t: Mapping[str, torch.Tensor], where: str,
+                         target_dtype: torch.dtype) -> tuple[str, dict[str, torch.Tensor], torch.Tensor,
+                                                             torch.Tensor | None]:
+    """One compressed-tensors Linear -> (Ascend scheme, its tensors by suffix, int values [n, k],
+    the W8A8 weight scale that deq_scale was made from, else None)."""
+    wq, iq = g.weights, g.input_activations
+    if wq is None:
+        raise ConversionError(f"{where}: group {g.name} quantizes activations only; no Ascend equivalent")
+    if g.format in (ctf.FLOAT_QUANTIZED,) or wq.type != "int":
+        raise ConversionError(f"{where}: {wq.type} {wq.num_bits}-bit weights (format {g.format}) have no Ascend "
+                              "equivalent (int8/int4 only)")
+    if g.format not in (ctf.INT_QUANTIZED, ctf.PACK_QUANTIZED, ctf.NAIVE_QUANTIZED):
+        raise ConversionError(f"{where}: format {g.format!r} has no Ascend equivalent (int-quantized, "
+                              "pack-quantized or naive-quantized only)")
+    if not wq.symmetric or f"{prefix}.weight_zero_point" in t:
+        raise ConversionError(f"{where}: asymmetric weights (weight_zero_point) have no Ascend equivalent; the NPU "
+                              "weight paths are symmetric only")
+    if wq.num_bits not in (4, 8):
+        raise ConversionError(f"{where}: {wq.num_bits}-bit weights have no Ascend equivalent (4 or 8 bits)")
+    if wq.strategy not in ("tensor", "channel", "group"):
+        raise ConversionError(f"{where}: weight strategy {wq.strategy!r} has no Ascend equivalent")
+    if wq.dynamic:
+        raise ConversionError(f"{where}: dynamic weight quantization has no Ascend equivalent")
+    if g.output_activations is not None:
+        raise ConversionError(f"{where}: output activation quantization has no Ascend equivalent")
+    if f"{prefix}.weight_g_idx" in t:
+        g_idx = t[f"{prefix}.weight_g_idx"]
+        k = g_idx.numel()
+        if wq.group_size and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // wq.group_size):
+            raise ConversionError(f"{where}: activation-ordered groups (weight_g_idx) have no Ascend equivalent "
+                                  "(groups must be contiguous)")
+    for extra in ("weight_global_scale", "input_global_scale", "output_scale"):
+        if f"{prefix}.{extra}" in t:
+            raise ConversionError(f"{where}: {extra} has no Ascend equivalent")
+    try:
+        q = ctf.int_weight(ct, prefix, t, wq.num_bits)
+    except ctf.CompressedTensorsError as e:
+        raise ConversionError(str(e)) from None
+    n, k = q.shape
+    scale = t[f"{prefix}.weight_scale"].float()
+    if wq.strategy == "tensor":
+        if scale.numel() != 1:
+            raise ConversionError(f"{where}: per-tensor weight_scale has {scale.numel()} values")
+        channel = scale.reshape(1, 1).expand(n, 1).clone()      # per-tensor == the same per-channel scale
+    elif wq.strategy == "channel":
+        channel = scale.reshape(n, 1)
+    else:
+        channel = None
+        if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
+            raise ConversionError(f"{where}: group weight_scale shape {list(scale.shape)} does not fit "
+                                  f"weight [{n}, {k}]")
+        if wq.group_size and k // scale.shape[1] != wq.group_size and not (scale.shape[1] == 1 and k < wq.group_size):
+            raise ConversionError(f"{where}: weight_scale has {scale.shape[1]} groups of {k // scale.shape[1]}, "
+                                  f"but config group {g.name} says group_size {wq.group_size}")
+    zeros = lambda s: torch.zeros_like(s)  # noqa: E731
+    if iq is None:                                       # weight-only
+        scheme = "W8A16" if wq.num_bits == 8 else "W4A16"
+        s = channel if channel is not None else scale
+        w = q if wq.num_bits == 8 else _pack_n(q, where)
+        return scheme, {"weight": w, "weight_scale": s, "weight_offset": zeros(s)}, q, None
+    if iq.type != "int" or iq.num_bits != 8:
+        raise ConversionError(f"{where}: {iq.type} {iq.num_bits}-bit activations have no Ascend equivalent "
+                              "(int8 only)")
+    if iq.dynamic is True or iq.dynamic == "true":
+        if iq.strategy != "token" or not iq.symmetric:
+            raise ConversionError(f"{where}: dynamic activations must be per-token symmetric for Ascend "
+                                  f"(got {iq.strategy}, symmetric={iq.symmetric})")
+        if wq.num_bits == 8:
+            if channel is None:
+                raise ConversionError(f"{where}: per-group int8 weights with int8 activations have no Ascend "
+                                      "equivalent (W8A8_DYNAMIC is per-channel)")
+            return "W8A8_DYNAMIC", {"weight": q, "weight_scale": channel, "weight_offset": zeros(channel)}, q, None
+        chunks = numerics.scale_bias_chunks(is_row_parallel(prefix))
+        packed = _pack_n(q, where)
+        if k % chunks:
+            raise ConversionError(f"{where}: in-features {k} do not split into {chunks} scale_bias chunks")
+        if channel is not None:
+            return "W4A8_DYNAMIC", {"weight": packed, "weight_scale": channel, "weight_offset": zeros(channel),
+                                    "scale_bias": numerics.scale_bias(q, channel, chunks)}, q, None
+        s1 = torch.ones(n, 1)         # two-stage layout with stage 1 = 1: s2 * bf16(1) == the group scale
+        sb = numerics.scale_bias(q, numerics.two_stage_scale(s1, scale), chunks)
+        return "W4A8_DYNAMIC", {"weight": packed, "weight_scale": s1, "weight_offset": zeros(s1),
+                                "weight_scale_second": scale,
+                                "weight_offset_second": torch.zeros_like(scale, dtype=torch.int64),
+                                "scale_bias": sb}, q, None
+    # static activations
+    if iq.strategy != "tensor":
+        raise ConversionError(f"{where}: static {iq.strategy} activations have no Ascend equivalent (per-tensor only)")
+    if wq.num_bits != 8 or channel is None:
+        raise ConversionError(f"{where}: static int8 activations with {wq.num_bits}-bit {wq.strategy} weights have no "
+                              "Ascend equivalent (static W8A8 is int8 per-channel)")
+    s_x = t.get(f"{prefix}.input_scale")
+    if s_x is None:
+        raise ConversionError(f"{where}: static activations but no input_scale")
+    s_x = s_x.float().reshape(-1)
+    zp = t.get(f"{prefix}.input_zero_point")
+    o_x = torch.zeros(1) if zp is None else zp.float().reshape(-1)
+    if s_x.numel() != 1 or o_x.numel() != 1:
+        raise ConversionError(f"{where}: input_scale/input_zero_point must hold one value")
+    deq = numerics.deq_scale(s_x, channel)
+    bias = t.get(f"{prefix}.bias")
+    sub = {"weight": q, "input_scale": s_x, "input_offset": o_x,
+           "deq_scale": numerics.encode_deq_scale(deq, target_dtype),
+           "quant_bias": numerics.quant_bias(bias, deq, o_x, q)}
+    # the Ascend layout keeps no W8A8 weight scale (only deq_scale = s_x * s_w); the caller
+    # checks deq_scale against this one
+    return "W8A8", sub, q, channel
+
+
+def _pack_n(q: torch.Tensor, where: str) -> torch.Tensor:
+    try:
+        return numerics.pack_int4(q)
+    except ValueError as e:
+        raise ConversionError(f"{where}: {e}") from None
+
+
+def _ct_kv_to_c8(ct: ctf.CTCheckpoint, t: Mapping[str, torch.Tensor], kv_names: list[str],
+                 config: dict | None) -> dict[str, torch.Tensor]:
+    """compressed-tensors k_scale/v_scale (per tensor or per head) -> C8 per-channel scales."""
+    kvq = ct.kv_cache_scheme
+    first = kv_names[0] if kv_names else "kv_cache_scheme"
+    if kvq is None:
+        raise ConversionError(f"{ct.file_of(first)}: {first} present but quantization_config has no kv_cache_scheme")
+    if kvq.type != "int" or kvq.num_bits != 8:
+        raise ConversionError(f"{ct.file_of(first)}: {kvq.type} {kvq.num_bits}-bit KV cache ({first}) has no Ascend "
+                              "equivalent (C8 is int8; pass --drop-kv-cache to convert the weights without it)")
+    if not kvq.symmetric or any(n.endswith("_zero_point") and bool(torch.any(t[n] != 0)) for n in kv_names):
+        raise ConversionError(f"{ct.file_of(first)}: asymmetric KV cache ({first}) has no Ascend equivalent")
+    if kvq.strategy not in ("tensor", "attn_head"):
+        raise ConversionError(f"{ct.config_file}: KV strategy {kvq.strategy!r} has no Ascend equivalent")
+    geometry = _kv_geometry(config)
+    if geometry is None:
+        raise ConversionError(f"{ct.path}: KV scales need config.json (num_key_value_heads, head_dim)")
+    heads, head_dim = geometry
+    out: dict[str, torch.Tensor] = {}
+    for name in kv_names:
+        attn, _, suffix = name.rpartition(".")
+        if suffix not in ("k_scale", "v_scale"):
+            continue
+        s = t[name].float().reshape(-1)
+        if s.numel() == 1:
+            channel = s.expand(heads * head_dim).clone()
+        elif s.numel() == heads:
+            channel = s.repeat_interleave(head_dim)
+        else:
+            raise ConversionError(f"{ct.file_of(name)}: {name} has {s.numel()} values; expected 1 or {heads}")
+        proj = f"{attn}.{suffix[0]}_proj"
+        if suffix[0] not in ("k", "v") or proj.rpartition(".")[2] not in KV_PROJECTIONS:
+            continue
+        out[f"{proj}.kv_cache_scale"] = channel
+        out[f"{proj}.kv_cache_offset"] = torch.zeros_like(channel)
+    layers = {n.rpartition(".")[0].rpartition(".")[0] for n in out}
+    for attn in layers:
+        for p in KV_PROJECTIONS:
+            if f"{attn}.{p}.kv_cache_scale" not in out:
+                raise ConversionError(f"{ct.config_file}: {attn} has KV scales but no {p[0]}_scale")
+    return out
