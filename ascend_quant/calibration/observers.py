@@ -63,3 +63,29 @@ def mse_weight_scale(w: torch.Tensor, bits: int, group_size: int = 0,
         best = torch.where(better, base * r, best)
         best_err = torch.where(better, err, best_err)
     return best
+
+
+def mse_activation_range(x: torch.Tensor, importance: torch.Tensor | None = None, grid: int = 40,
+                         min_ratio: float = 0.2) -> tuple[float, float]:
+    """A per-tensor range for static asymmetric int8 that minimises the quantization error of
+    the Linears' outputs rather than of the input: the candidates shrink the observed
+    [min, max] by r in [min_ratio, 1], and each is scored by `sum_t sum_j e[t, j]^2 * w_j`,
+    where e is the input's quantization error and w_j = sum_n W[n, j]^2 over the Linears
+    that read x (the diagonal of W^T W: how much channel j's error reaches the output).
+
+    x: [tokens, k]; importance: [k] (None: plain input MSE). Never worse than min-max
+    (r = 1 is a candidate)."""
+    x = x.detach().float()
+    if not torch.isfinite(x).all():
+        raise FloatingPointError("NaN or Inf in calibration activations")
+    lo, hi = min(x.min().item(), 0.0), max(x.max().item(), 0.0)
+    imp = torch.ones(x.shape[-1]) if importance is None else importance.float()
+    best, best_err = (lo, hi), float("inf")
+    for i in range(grid + 1):
+        r = 1.0 - (1.0 - min_ratio) * i / grid
+        scale, offset = numerics.activation_qparams(lo * r, hi * r)
+        q = torch.clamp(torch.round(x / scale) + offset, numerics.INT8_MIN, numerics.INT8_MAX)
+        err = ((((q - offset) * scale - x) ** 2) * imp).sum().item()
+        if err < best_err:
+            best, best_err = (lo * r, hi * r), err
+    return best

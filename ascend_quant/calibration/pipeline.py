@@ -13,6 +13,7 @@ layer, and the layer's output (what the next layer is calibrated on) is the quan
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import re
@@ -25,7 +26,7 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.calibration.gptq import gptq_quantize, hessian
 from ascend_quant.calibration.kv import KVObserver
-from ascend_quant.calibration.observers import RangeObserver, mse_weight_scale
+from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import apply_smoothing, smoothing_factors
 from ascend_quant.calibration.kv import fake_quant_kv
@@ -215,6 +216,9 @@ class _GroupQuantizer:
             if recipe.activations.observer == "running":
                 running = self._running_qparams(x)
                 input_scale, input_offset = running[0][-1].reshape(1), running[1][-1].reshape(1)
+            elif recipe.activations.observer == "mse":
+                importance = sum(self.modules[n].weight.float().pow(2).sum(0) for n in quantized)
+                input_scale, input_offset = numerics.activation_qparams(*mse_activation_range(flat, importance))
             else:
                 obs = RangeObserver(recipe.activations.percentile if recipe.activations.observer == "percentile" else 100.0)
                 obs.update(flat)
@@ -258,8 +262,8 @@ class _GroupQuantizer:
             qlin = QuantizedLinear(scheme, q, s1 if two_stage else scale, bias, s2 if two_stage else None,
                                    input_scale, input_offset, running=running, row_parallel=group.row_parallel)
             wq = qlin.dequantized()
-            ref = subsample @ w.t()
-            err = subsample @ wq.t() - ref
+            ref = subsample @ w.t()          # the error report counts weight and activation rounding
+            err = _fake_quant_activation(subsample, scheme, dataclasses.replace(qlin, running=None)) @ wq.t() - ref
             qlin.error = (err.norm() / ref.norm().clamp(min=1e-12)).item()
             module.weight.data = wq.to(module.weight.dtype)
             self.results[f"{self.prefix}.{name}"] = qlin

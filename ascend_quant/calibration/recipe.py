@@ -44,8 +44,9 @@ class SmoothQuant:
 
 @dataclass
 class Activations:
-    # static W8A8 only: minmax, percentile, or running (msModelSlim's own semantics: each
-    # calibration sample is fake-quantized with the range seen so far; reproduces its files)
+    # static W8A8 only: minmax, percentile, mse (the range that minimises the Linears' output
+    # error), or running (msModelSlim's own semantics: each calibration sample is
+    # fake-quantized with the range seen so far; reproduces its files)
     observer: str = "minmax"
     percentile: float = 99.99
 
@@ -127,10 +128,13 @@ def preset(scheme: str, group_size: int | None = None) -> Recipe:
     if s == "W8A16":
         return Recipe(s, method="gptq", group_size=group_size or 0)
     if s == "W8A8_DYNAMIC":
-        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.5))
+        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.8))
     if s == "W8A8":
-        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.5),
-                      activations=Activations("percentile", 99.99))
+        # down_proj stays float: its input (silu(gate) * up) carries token outliers of several
+        # hundred in late layers, which one per-tensor int8 range cannot hold; percentile
+        # clipping of such outliers costs more than it saves (measured, see README).
+        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.8),
+                      activations=Activations("minmax"), ignore=["lm_head", "*.mlp.down_proj"])
     if s == "W4A16":
         return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size)
     if s == "W4A8_DYNAMIC":
@@ -196,8 +200,8 @@ def load_recipe(path: str | Path) -> Recipe:
 def validate(recipe: Recipe, where: str = "recipe") -> None:
     if recipe.method not in ("minmax", "gptq"):
         raise RecipeError(f"{where}: method must be minmax or gptq, got {recipe.method!r}")
-    if recipe.activations.observer not in ("minmax", "percentile", "running"):
-        raise RecipeError(f"{where}: activations.observer must be minmax, percentile or running")
+    if recipe.activations.observer not in ("minmax", "percentile", "mse", "running"):
+        raise RecipeError(f"{where}: activations.observer must be minmax, percentile, mse or running")
     if recipe.activations.observer == "running" and (recipe.method != "minmax" or recipe.smoothquant):
         raise RecipeError(f"{where}: the running observer reproduces msModelSlim's min-max flow: "
                           "use method minmax without smoothquant")
