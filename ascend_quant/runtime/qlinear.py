@@ -65,7 +65,7 @@ class QuantLinear:
             if getattr(backend, "name", "") == "npu":
                 return cls(scheme, backend, backend.prepare_weight_only(w, scale.reshape(-1, 1), None, 4, dtype),
                            n, k, extra={"per_group": False})
-            return cls(scheme, backend, backend.prepare_int8(w, scale), n, k, extra={"per_group": False})
+            return cls(scheme, backend, backend.prepare_int8(w, scale, bits=4), n, k, extra={"per_group": False})
         # weight-only: W8A16 (per-channel or per-group), W4A16 (per-group)
         scale = t["weight_scale"].float()
         scale = scale.reshape(n, -1)

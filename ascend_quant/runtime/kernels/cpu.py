@@ -21,9 +21,24 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_quant.runtime.kernels.reference import ReferenceBackend, exact_int8_matmul
+from ascend_quant import numerics
+from ascend_quant.runtime.kernels.reference import EXACT_F32_CHUNK, ReferenceBackend, exact_int8_matmul
 
 GEMMS = ("onednn", "f32", "int_mm")
+# How the "f32" path keeps weights: "compact" (default) keeps the integers (int4 packed two per
+# byte) and converts one k-chunk at a time inside each call, so serving memory is what the
+# checkpoint promises (1 byte per int8 weight, half a byte per int4 weight); "float32" keeps a
+# float32 copy (4 bytes per weight), a little faster on CPUs without VNNI.
+WEIGHTS_ENV = "ASCEND_QUANT_CPU_WEIGHTS"
+
+
+def _weight_mode() -> str:
+    import os
+
+    mode = os.environ.get(WEIGHTS_ENV, "compact")
+    if mode not in ("compact", "float32"):
+        raise ValueError(f"{WEIGHTS_ENV}={mode!r}: use compact or float32")
+    return mode
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,15 +63,45 @@ def vllm_cpu_ops():
 
 @dataclass
 class CpuInt8Weight:
-    weight_t: torch.Tensor          # float32 [k, n] ("f32") or int8 [n, k]^T view ("int_mm")
+    # "f32": float32 [k, n], or compact int8 [k, n] / int4 packed along k [k/2, n];
+    # "int_mm": int8 [n, k]^T view
+    weight_t: torch.Tensor
     scale: torch.Tensor             # float32 [n]
     onednn: object | None = None    # vLLM oneDNN handler (VNNI CPUs only)
     n: int = 0
+    packed: bool = False            # int4 values packed two per byte along k
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        """Rows start:end of the [k, n] weight as float32 (exact integers)."""
+        if self.packed:
+            return numerics.unpack_int4(self.weight_t[start // 2:end // 2]).float()
+        return self.weight_t[start:end].float()
 
 
 @dataclass
 class CpuWeightOnly:
-    weight_t: torch.Tensor          # dequantized [k, n] in the serving dtype
+    # float32 mode: the dequantized [k, n] in the serving dtype (weight_t). Compact mode: the
+    # integers as [k, n] int8 (int4 packed along k: [k/2, n]) with scale/offset [groups, n].
+    weight_t: torch.Tensor
+    scale_t: torch.Tensor | None = None
+    offset_t: torch.Tensor | None = None
+    group_size: int = 0
+    packed: bool = False
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        """Rows start:end of the dequantized [k, n] weight, float32 ((w - offset) * scale)."""
+        q = numerics.unpack_int4(self.weight_t[start // 2:end // 2]) if self.packed else self.weight_t[start:end]
+        rows = slice(start // self.group_size, -(-end // self.group_size)) if self.group_size else slice(None)
+        scale = self.scale_t[rows]
+        offset = None if self.offset_t is None else self.offset_t[rows]
+        if self.group_size:
+            scale = scale.repeat_interleave(self.group_size, 0)[start % self.group_size:][: end - start]
+            offset = None if offset is None else offset.repeat_interleave(self.group_size, 0)[
+                start % self.group_size:][: end - start]
+        w = q.float()
+        if offset is not None:
+            w = w - offset
+        return w * scale
 
 
 class CpuBackend(ReferenceBackend):
@@ -93,7 +138,7 @@ class CpuBackend(ReferenceBackend):
             scale = torch.where(zero, torch.ones_like(scale), scale)
         return out.reshape(x.shape), scale.reshape(*lead, 1)
 
-    def prepare_int8(self, weight, scale):
+    def prepare_int8(self, weight, scale, bits: int = 8):
         weight = weight.to(torch.int8)
         scale = scale.float().reshape(-1).contiguous()
         handler = None
@@ -101,8 +146,13 @@ class CpuBackend(ReferenceBackend):
             ops = vllm_cpu_ops()
             handler = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False, 32)
         # _int_mm is fastest with the [n, k] weight seen as a column-major [k, n]
-        weight_t = weight.contiguous().t() if self.gemm == "int_mm" else weight.float().t().contiguous()
-        return CpuInt8Weight(weight_t, scale, handler, weight.shape[0])
+        if self.gemm == "int_mm":
+            return CpuInt8Weight(weight.contiguous().t(), scale, handler, weight.shape[0])
+        if _weight_mode() == "float32":
+            return CpuInt8Weight(weight.float().t().contiguous(), scale, handler, weight.shape[0])
+        packed = bits == 4 and weight.shape[1] % 2 == 0
+        weight_t = numerics.pack_int4(weight.t().contiguous()) if packed else weight.t().contiguous()
+        return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
 
     def int8_matmul(self, x_q, w, *, pertoken_scale=None, quant_bias=None, bias=None, out_dtype=torch.float32):
         lead = x_q.shape[:-1]
@@ -117,8 +167,15 @@ class CpuBackend(ReferenceBackend):
             return out.to(out_dtype).reshape(*lead, -1)
         if self.gemm == "int_mm":
             acc = torch._int_mm(x2, w.weight_t)
-        else:
+        elif w.weight_t.dtype == torch.float32:
             acc = exact_int8_matmul(x2, w_f32_t=w.weight_t)
+        else:           # compact: convert one k-chunk at a time (exact, see reference.py)
+            x = x2.float()
+            acc = None
+            for start in range(0, x.shape[-1], EXACT_F32_CHUNK):
+                end = min(start + EXACT_F32_CHUNK, x.shape[-1])
+                part = (x[:, start:end] @ w.chunk(start, end)).to(torch.int32)
+                acc = part if acc is None else acc + part
         if quant_bias is not None:
             acc = acc + quant_bias.to(torch.int32)
         y = acc.float() * w.scale
@@ -129,11 +186,31 @@ class CpuBackend(ReferenceBackend):
         return y.to(out_dtype).reshape(*lead, -1)
 
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.float32):
-        ref = super().prepare_weight_only(weight, scale, offset, bits, dtype)
-        return CpuWeightOnly(ref.weight.t().contiguous().to(dtype))
+        if _weight_mode() == "float32":
+            ref = super().prepare_weight_only(weight, scale, offset, bits, dtype)
+            return CpuWeightOnly(ref.weight.t().contiguous().to(dtype))
+        n, k = weight.shape
+        groups = scale.shape[-1]
+        group_size = 0 if groups == 1 else k // groups
+        packed = bits == 4 and k % 2 == 0 and (group_size == 0 or group_size % 2 == 0)
+        q_t = weight.to(torch.int8).t().contiguous()
+        return CpuWeightOnly(numerics.pack_int4(q_t) if packed else q_t,
+                             scale.float().reshape(n, groups).t().contiguous(),
+                             None if offset is None else offset.float().reshape(n, groups).t().contiguous(),
+                             group_size, packed)
 
     def weight_only_matmul(self, x, w, bias=None, out_dtype=None):
-        y = x.to(w.weight_t.dtype) @ w.weight_t
+        if w.scale_t is None:           # float32 mode: one GEMM on the dequantized copy
+            y = x.to(w.weight_t.dtype) @ w.weight_t
+        else:                           # compact: dequantize one k-chunk at a time, float32 GEMMs
+            x2 = x.float()
+            k = x2.shape[-1]
+            step = EXACT_F32_CHUNK if not w.group_size else max(w.group_size, EXACT_F32_CHUNK // w.group_size * w.group_size)
+            y = None
+            for start in range(0, k, step):
+                end = min(start + step, k)
+                part = x2[..., start:end] @ w.chunk(start, end)
+                y = part if y is None else y + part
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(out_dtype or x.dtype)

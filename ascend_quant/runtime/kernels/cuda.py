@@ -38,7 +38,7 @@ class CudaBackend(ReferenceBackend):
             return False, "cuda backend: int8 GEMM needs k and n divisible by 8"
         return True, ""
 
-    def prepare_int8(self, weight, scale):
+    def prepare_int8(self, weight, scale, bits: int = 8):
         # [n, k] row-major transposed is a column-major [k, n]: what CUTLASS and _int_mm take
         return CudaInt8Weight(weight.to(torch.int8).contiguous().t(), scale.float().reshape(-1))
 

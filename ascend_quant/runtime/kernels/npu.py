@@ -70,7 +70,7 @@ class NpuBackend:
         return x_q, scale.reshape(*x.shape[:-1], 1)
 
     # ---------------------------------------------------------------- int8 x int8
-    def prepare_int8(self, weight, scale):
+    def prepare_int8(self, weight, scale, bits: int = 8):
         return NpuInt8Weight(self._maybe_nz(weight.to(torch.int8).t().contiguous()), scale.float().reshape(-1))
 
     def int8_matmul(self, x_q, w, *, pertoken_scale=None, quant_bias=None, bias=None, out_dtype=torch.float32):
@@ -116,3 +116,68 @@ class NpuBackend:
             antiquant_offset=None if w.offset is None else w.offset.to(x.dtype),
             bias=None if bias is None else bias.to(x.dtype), antiquant_group_size=w.group_size)
         return y.to(out_dtype or x.dtype).reshape(*lead, -1)
+
+
+class NpuC8PagedAttention:
+    """C8 paged attention with the torch_npu ops of ascend-format.md §3 (C8 row).
+
+    Cache (ND, `cache_mode="Norm"`): key_cache / value_cache int8 `[num_blocks, block_size,
+    num_kv_heads, head_dim]`; block_size and head_dim must be multiples of 32 on the NPU.
+    Write: `npu_quantize(k, s_k [Hkv*D], div_mode=True)` (`round(k / s)`, clamp) then
+    `npu_scatter_pa_kv_cache` into the slots (padding slots, -1, are dropped first).
+    Read: `npu_fused_infer_attention_score` with per-channel `key_antiquant_scale` /
+    `value_antiquant_scale` ([Hkv, 1, D], mode 0, no offset: symmetric C8 only) over the block
+    table: "BNSD" for decode-only batches (query [B, H, 1, D]), "TND" with `sparse_mode=3`
+    (bottom-right causal) for prefill / chunked prefill. The argument conventions follow
+    vllm-ascend's C8 decode call; the TND + antiquant combination is unverified on hardware.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 k_scale: torch.Tensor, v_scale: torch.Tensor, block_size: int, dtype=torch.bfloat16):
+        if block_size % 32 or head_dim % 32:
+            raise ValueError(f"C8 on the NPU needs block_size and head_dim divisible by 32 "
+                             f"(got {block_size}, {head_dim})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.block_size, self.dtype = scale, block_size, dtype
+        self.k_scale = k_scale.float().reshape(-1)
+        self.v_scale = v_scale.float().reshape(-1)
+        self.k_antiquant = self.k_scale.view(num_kv_heads, 1, head_dim).to(dtype)
+        self.v_antiquant = self.v_scale.view(num_kv_heads, 1, head_dim).to(dtype)
+
+    def new_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+
+    def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        npu = _torch_npu()
+        n = min(key.shape[0], slot_mapping.shape[0])
+        keep = slot_mapping[:n] >= 0
+        k, v = key[:n][keep], value[:n][keep]
+        t = k.shape[0]
+        k_q = npu.npu_quantize(k.reshape(t, -1), self.k_scale, None, torch.qint8, -1, True)
+        v_q = npu.npu_quantize(v.reshape(t, -1), self.v_scale, None, torch.qint8, -1, True)
+        npu.npu_scatter_pa_kv_cache(k_q.view(t, self.num_kv_heads, self.head_dim),
+                                    v_q.view(t, self.num_kv_heads, self.head_dim), key_cache, value_cache,
+                                    slot_mapping[:n][keep].to(torch.int32), cache_mode="Norm")
+
+    def forward(self, query, key_cache, value_cache, query_start_loc, seq_lens, block_table) -> torch.Tensor:
+        """query [T, H, D] -> [T, H, D] in query's dtype."""
+        npu = _torch_npu()
+        nb = key_cache.shape[0]
+        k = key_cache.view(nb, self.block_size, -1)
+        v = value_cache.view(nb, self.block_size, -1)
+        qsl = query_start_loc.tolist()
+        common = dict(key_antiquant_scale=self.k_antiquant, value_antiquant_scale=self.v_antiquant,
+                      key_antiquant_mode=0, value_antiquant_mode=0, block_table=block_table.to(torch.int32),
+                      actual_seq_lengths_kv=seq_lens.tolist(), num_heads=self.num_heads,
+                      num_key_value_heads=self.num_kv_heads, scale=self.scale, block_size=self.block_size,
+                      inner_precise=1)
+        q = query.to(self.dtype)
+        if all(b - a == 1 for a, b in zip(qsl, qsl[1:])):          # decode only
+            out, _ = npu.npu_fused_infer_attention_score(q.unsqueeze(2), k, v, input_layout="BNSD",
+                                                         sparse_mode=0, **common)
+            return out.squeeze(2)
+        mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+        out, _ = npu.npu_fused_infer_attention_score(q, k, v, input_layout="TND", sparse_mode=3, atten_mask=mask,
+                                                     actual_seq_lengths=qsl[1:], **common)
+        return out

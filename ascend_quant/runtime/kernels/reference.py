@@ -69,7 +69,7 @@ class ReferenceBackend:
         return numerics.quantize_activation_dynamic(x)
 
     # ---------------------------------------------------------------- int8 x int8
-    def prepare_int8(self, weight: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
+    def prepare_int8(self, weight: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> Int8Weight:
         return Int8Weight(weight.to(torch.int8).float().t().contiguous(), scale.float().reshape(-1).contiguous())
 
     def int8_matmul(self, x_q, w: Int8Weight, *, pertoken_scale=None, quant_bias=None, bias=None,

@@ -170,6 +170,11 @@ class AscendQuantLinearMethod(LinearMethodBase):
                                 bits=SCHEMES[self.scheme].weight_bits)
         layer.ascend_qlinear = QuantLinear.build(self.scheme, t, backend=b, dtype=layer.params_dtype,
                                                  add_quant_bias=add_quant_bias)
+        # the kernel keeps what it needs in its own layout: drop the loaded copies, so that
+        # serving memory is that of the prepared weights alone
+        for name, param in layer.named_parameters(recurse=False):
+            if name in t:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if hasattr(layer, "input_bias"):
             layer.input_bias_cast = layer.input_bias.data.to(layer.params_dtype)
 
