@@ -28,7 +28,7 @@ test: $(STAMP)
 DEMO_OUT ?= out/smollm2-135m-w8a8-dynamic
 demo: $(STAMP)
 	rm -rf $(DEMO_OUT)
-	$(VENV)/bin/ascend-quant calibrate -o $(DEMO_OUT) --scheme w8a8-dynamic
+	$(VENV)/bin/ascend-quant calibrate -o $(DEMO_OUT) --scheme w8a8-dynamic --num-samples 32
 	$(VENV)/bin/ascend-quant verify $(DEMO_OUT)
 	$(VENV)/bin/ascend-quant inspect $(DEMO_OUT) | tail -3
 	$(VENV)/bin/ascend-quant eval --quantized $(DEMO_OUT) --tokens 4096

@@ -68,7 +68,7 @@ SCHEMES: dict[str, dict] = {
         "msmodelslim": "w8a8_dynamic",
         "llmcompressor": "w8a8_dynamic",
         "notes": {
-            "ours": "preset (SmoothQuant 0.5 + GPTQ, per-token dynamic activations)",
+            "ours": "preset (SmoothQuant 0.8 + GPTQ, per-token dynamic activations)",
             "msmodelslim": "smooth_quant alpha 0.8 + linear_quant minmax, act per_token",
             "llmcompressor": "SmoothQuantModifier 0.8 + GPTQModifier W8A8 (int8 channel, dynamic per-token)",
         },
@@ -78,7 +78,7 @@ SCHEMES: dict[str, dict] = {
         "ours": ["--scheme", "w8a8"],
         "msmodelslim": "w8a8_static",
         "notes": {
-            "ours": "preset (SmoothQuant 0.5 + GPTQ, percentile per-tensor activations)",
+            "ours": "preset (SmoothQuant 0.8 + GPTQ, output-MSE per-tensor ranges, down_proj float)",
             "msmodelslim": "smooth_quant alpha 0.8 + linear_quant minmax, act per_tensor asym",
         },
     },
@@ -103,7 +103,7 @@ SCHEMES: dict[str, dict] = {
     "w4a8-g64": {
         "title": "W4A8_DYNAMIC group 64",
         "ours": ["--scheme", "w4a8", "--group-size", "64"],
-        "notes": {"ours": "preset (SmoothQuant 0.5 + GPTQ, group 64)"},
+        "notes": {"ours": "preset (SmoothQuant 0.8 + GPTQ, two-stage group 64)"},
     },
     "w8a16": {
         "title": "W8A16",

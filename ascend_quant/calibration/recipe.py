@@ -140,7 +140,7 @@ def preset(scheme: str, group_size: int | None = None) -> Recipe:
         return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size)
     if s == "W4A8_DYNAMIC":
         return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size,
-                      smoothquant=SmoothQuant(alpha=0.5))
+                      smoothquant=SmoothQuant(alpha=0.8))
     raise RecipeError(f"no preset for {scheme!r}")
 
 
