@@ -108,7 +108,7 @@ def generations(checkpoints):
 
 def reference_logprobs(path: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """log-softmax of the reference forward at each generated position (teacher forcing)."""
-    model = load_reference_model(path, torch.float32)
+    model = load_reference_model(path, torch.float32, kv_cache=True)   # C8 scales applied, as vLLM does
     ids = torch.tensor([prompt + tokens[:-1]])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:]

@@ -63,6 +63,7 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
         "model_quant_type": ckpt.meta.get("model_quant_type"),
         "group_size": ckpt.group_size,
         "kv_cache": "int8 (C8)" if ckpt.kv_cache_int8 else "model dtype",
+        "kv_cache_tokens_per_gib": kv_tokens_per_gib(ckpt, fsize),
         "float_dtype": str(dtype).replace("torch.", ""),
         "modules": [asdict(r) for r in rows],
         "totals": {
@@ -74,6 +75,24 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
             "quantized_linear_float_bytes": sum(r.float_bytes for r in quantized),
         },
     }
+
+
+def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
+    """Tokens of KV cache per GiB (K + V of every layer; block rounding ignored): as stored by
+    this checkpoint (int8 on C8 layers) and in the float dtype. None without a usable config."""
+    cfg = ckpt.config or {}
+    cfg = cfg.get("text_config", cfg)
+    try:
+        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    c8 = sum(1 for k, v in ckpt.description.items() if k.endswith(".k_proj.kv_cache_scale") and v == "C8")
+    c8 = min(c8, layers)
+    per_layer = 2 * kv_heads * head_dim
+    stored = per_layer * (c8 * 1 + (layers - c8) * fsize)
+    return {"stored": (1 << 30) // stored, "float": (1 << 30) // (per_layer * layers * fsize), "c8_layers": c8}
 
 
 def format_summary(summary: dict) -> str:
@@ -92,6 +111,10 @@ def format_summary(summary: dict) -> str:
     lines.append("-" * len(head))
     lines.append(f"layout {summary['layout']}, model_quant_type {summary['model_quant_type']}, "
                  f"group_size {summary['group_size']}, KV cache {summary['kv_cache']}")
+    kv = summary.get("kv_cache_tokens_per_gib")
+    if kv:
+        lines.append(f"KV cache: {kv['stored']:,} tokens per GiB ({kv['float']:,} in {summary['float_dtype']}; "
+                     f"{kv['c8_layers']} int8 layers)")
     ql, qf = t["quantized_linear_bytes"], t["quantized_linear_float_bytes"]
     if qf:
         lines.append(f"quantized Linears: {t['quantized_linears']}, {ql:,} bytes vs {qf:,} in "

@@ -1,4 +1,4 @@
-"""A stand-in `torch_npu` module for CPU tests: the five ops the NPU backend calls, computed
+"""A stand-in `torch_npu` module for CPU tests: the ops the NPU backend calls, computed
 with the arithmetic ascend-format.md documents for them, so that the backend's wiring
 (transposes, int32-packed int4, encoded deq_scale, which argument goes where) runs on a CPU.
 
@@ -110,12 +110,92 @@ def npu_weight_quant_batchmatmul(x: torch.Tensor, weight: torch.Tensor, antiquan
     return y.to(x.dtype)
 
 
+def npu_scatter_pa_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, cache_mode: str = "Norm",
+                            **_unused) -> None:
+    """In place: `key_cache[slot // bs, slot % bs] = key[t]` (and value) for each token t, with the
+    ND paged layout [num_blocks, block_size, num_kv_heads, head_dim] ("Norm"). The cache dtype
+    must equal key's (int8 for C8: quantize first); slots must be valid (>= 0)."""
+    assert cache_mode == "Norm", f"emulation knows the ND ('Norm') layout only, got {cache_mode!r}"
+    assert key.dtype == key_cache.dtype and value.dtype == value_cache.dtype, (key.dtype, key_cache.dtype)
+    assert key_cache.dim() == 4 and key.shape[1:] == key_cache.shape[2:], (tuple(key.shape), tuple(key_cache.shape))
+    assert slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.shape == (key.shape[0],)
+    assert bool((slot_mapping >= 0).all()), "npu_scatter_pa_kv_cache: negative slot"
+    bs = key_cache.shape[1]
+    s = slot_mapping.long()
+    key_cache[s // bs, s % bs] = key
+    value_cache[s // bs, s % bs] = value
+
+
+def npu_fused_infer_attention_score(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                                    block_table: torch.Tensor, actual_seq_lengths_kv, num_heads: int,
+                                    num_key_value_heads: int, input_layout: str, scale: float, block_size: int,
+                                    key_antiquant_scale: torch.Tensor | None = None,
+                                    value_antiquant_scale: torch.Tensor | None = None,
+                                    key_antiquant_mode: int = 0, value_antiquant_mode: int = 0,
+                                    actual_seq_lengths=None, sparse_mode: int = 0, atten_mask=None,
+                                    antiquant_mode: int = 0, inner_precise: int = 0, **_unused):
+    """Paged attention, the arithmetic only. key/value: paged [num_blocks, block_size, Hkv * D]
+    (int8 with per-channel antiquant scales [Hkv, 1, D], mode 0: `k = k_q * scale`).
+    "BNSD": query [B, H, 1, D], one query per request (decode), sees its whole context.
+    "TND": query [T, H, D], `actual_seq_lengths` = cumulative query ends; `sparse_mode=3` is
+    the bottom-right causal mask (query i of a request with q_len queries and kv_len keys sees
+    keys 0 .. kv_len - q_len + i), `sparse_mode=0` none. Returns (out in query's dtype, lse)."""
+    assert input_layout in ("BNSD", "TND"), input_layout
+    assert block_size % 32 == 0 and key.shape[1] == block_size, (block_size, tuple(key.shape))
+    h, hkv = num_heads, num_key_value_heads
+    d = query.shape[-1]
+    assert key.shape[-1] == hkv * d, f"paged key must be [blocks, block_size, Hkv*D]: {tuple(key.shape)}"
+    quantized = key.dtype == torch.int8
+    if quantized:
+        assert key_antiquant_scale is not None and value_antiquant_scale is not None, "int8 KV needs antiquant scales"
+        assert key_antiquant_mode == 0 and value_antiquant_mode == 0, "per-channel antiquant is mode 0"
+        assert key_antiquant_scale.numel() == hkv * d and value_antiquant_scale.numel() == hkv * d
+        ks = key_antiquant_scale.float().reshape(1, hkv, d)
+        vs = value_antiquant_scale.float().reshape(1, hkv, d)
+    kv_lens = [int(x) for x in actual_seq_lengths_kv]
+    if input_layout == "BNSD":
+        assert query.dim() == 4 and query.shape[2] == 1, "BNSD emulation: one query per request"
+        q_all = query[:, :, 0, :]
+        q_ends = list(range(1, query.shape[0] + 1))
+        causal = False
+    else:
+        assert query.dim() == 3 and actual_seq_lengths is not None
+        q_all = query
+        q_ends = [int(x) for x in actual_seq_lengths]
+        assert sparse_mode in (0, 3), sparse_mode
+        causal = sparse_mode == 3
+    out = torch.zeros(q_all.shape, dtype=torch.float32)
+    lse = torch.zeros(q_all.shape[0], h, dtype=torch.float32)
+    start = 0
+    for r, (end, kv_len) in enumerate(zip(q_ends, kv_lens)):
+        qlen = end - start
+        nblk = (kv_len + block_size - 1) // block_size
+        ids = block_table[r, :nblk].long()
+        k = key[ids].reshape(-1, hkv, d)[:kv_len]
+        v = value[ids].reshape(-1, hkv, d)[:kv_len]
+        k = k.float() * ks if quantized else k.float()
+        v = v.float() * vs if quantized else v.float()
+        k = k.repeat_interleave(h // hkv, dim=1)
+        v = v.repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q_all[start:end].float(), k) * scale
+        if causal:
+            pos = torch.arange(kv_len - qlen, kv_len).unsqueeze(1)
+            s = s.masked_fill(torch.arange(kv_len).unsqueeze(0) > pos, float("-inf"))
+        lse[start:end] = torch.logsumexp(s, -1).transpose(0, 1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+        start = end
+    if input_layout == "BNSD":
+        out = out.unsqueeze(2)
+    return out.to(query.dtype), lse
+
+
 def module() -> types.ModuleType:
     """This emulation as a module object named `torch_npu`."""
     mod = types.ModuleType("torch_npu")
     mod.__doc__ = __doc__
     for name in ("npu_format_cast", "npu_quantize", "npu_dynamic_quant", "npu_quant_matmul",
-                 "npu_weight_quant_batchmatmul"):
+                 "npu_weight_quant_batchmatmul", "npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score"):
         setattr(mod, name, globals()[name])
     mod.ASCEND_QUANT_EMULATION = True
     return mod

@@ -77,27 +77,39 @@ def write_reference(kv_cache, key, value, slot_mapping, k_scale, v_scale) -> Non
     vc[blk, :, off, :] = vq
 
 
-def write_native(kv_cache, key, value, slot_mapping, k_scale, v_scale, lib=None) -> None:
-    _check(kv_cache)
-    lib = lib or native.load()
-    n = min(key.shape[0], slot_mapping.shape[0])
-    k = _rows_f32(key[:n])
-    v = _rows_f32(value[:n])
-    slots = slot_mapping[:n].to(torch.int64).contiguous()
-    ks, vs = k_scale.float().contiguous(), v_scale.float().contiguous()
-    nb, hkv, bs, two_d = kv_cache.shape
-    lib.c8_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), n,
-                 kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), hkv, two_d // 2, bs,
-                 ks.data_ptr(), vs.data_ptr(), torch.get_num_threads())
+_DT = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _rows_f32(x: torch.Tensor) -> torch.Tensor:
-    """float32 [T, Hkv, D] whose (head, dim) part is contiguous (a row stride is allowed)."""
-    x = x.float()
+def _native_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] as float32 or bf16 with a contiguous (head, dim) part (a row stride is allowed)."""
+    if x.dtype not in _DT:
+        x = x.float()
     t, h, d = x.shape
     if x.stride(2) != 1 or x.stride(1) != d:
         x = x.contiguous()
     return x
+
+
+def write_native(kv_cache, key, value, slot_mapping, k_scale, v_scale, lib=None) -> None:
+    _check(kv_cache)
+    lib = lib or native.load()
+    n = min(key.shape[0], slot_mapping.shape[0])
+    k = _native_rows(key[:n])
+    v = _native_rows(value[:n])
+    if v.dtype != k.dtype:
+        k, v = k.float(), v.float()
+    slots = slot_mapping[:n]
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    ks, vs = _f32(k_scale), _f32(v_scale)
+    nb, hkv, bs, two_d = kv_cache.shape
+    lib.c8_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), _DT[k.dtype], slots.data_ptr(), n,
+                 kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), hkv, two_d // 2, bs,
+                 ks.data_ptr(), vs.data_ptr(), torch.get_num_threads())
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
 
 
 def write(kv_cache, key, value, slot_mapping, k_scale, v_scale) -> None:
@@ -196,27 +208,35 @@ def attention_torch(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens
     return o.transpose(1, 2)[req, row] * omul
 
 
+def _i32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
+
+
 def attention_native(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
                      scale: float, causal: bool = True, folded=None, out=None, q_tile: int = 16,
                      lib=None) -> torch.Tensor:
+    """The C kernel. `out` ([T, H, D] or [T, H*D], float32 or bf16) is written in place when given
+    (the scales are applied inside the kernel; bf16 queries are read as they are)."""
     _check(kv_cache)
     lib = lib or native.load()
     t_total, h, d = query.shape
     nb, hkv, bs, _ = kv_cache.shape
     qmul, omul = folded or fold_scales(k_scale, v_scale, h, hkv, scale)
-    q = (query.float() * qmul).contiguous()
-    res = torch.empty(t_total, h, d, dtype=torch.float32)
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    sl = seq_lens.to(torch.int32).contiguous()
-    bt = block_table.to(torch.int32)
-    if bt.stride(1) != 1:
-        bt = bt.contiguous()
-    lib.c8_attention(q.data_ptr(), h * d, kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
-                     qsl.data_ptr(), sl.data_ptr(), bt.data_ptr(), bt.stride(0), sl.shape[0], h, hkv, d, bs,
-                     int(bool(causal)), q_tile, res.data_ptr(), torch.get_num_threads())
-    res.mul_(omul)
-    if out is not None:
-        out.copy_(res)
+    q = _native_rows(query)
+    if out is None or out.dtype not in _DT:
+        res = torch.empty(t_total, h, d, dtype=torch.float32)
+    else:
+        res = out
+    if res.stride(-1) != 1 or res[0].numel() != h * d or (res.dim() == 3 and res.stride(1) != d):
+        raise ValueError("attention_native: out needs contiguous rows of H*D")
+    qsl, sl = _i32(query_start_loc), _i32(seq_lens)
+    bt = block_table if block_table.dtype == torch.int32 and block_table.stride(1) == 1 else _i32(block_table)
+    lib.c8_attention(q.data_ptr(), q.stride(0), _DT[q.dtype], qmul.data_ptr(), kv_cache.data_ptr(),
+                     kv_cache.stride(0), kv_cache.stride(1), qsl.data_ptr(), sl.data_ptr(), bt.data_ptr(),
+                     bt.stride(0), sl.shape[0], h, hkv, d, bs, int(bool(causal)), q_tile, res.data_ptr(),
+                     res.stride(0), _DT[res.dtype], omul.data_ptr(), torch.get_num_threads())
+    if out is not None and res is not out:
+        out.copy_(res.reshape(out.shape))
         return out
     return res
 
@@ -234,8 +254,22 @@ IMPLS = {"reference": attention_reference, "torch": attention_torch, "native": a
 
 
 def attention(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale: float,
-              causal: bool = True, impl: str | None = None, folded=None) -> torch.Tensor:
+              causal: bool = True, impl: str | None = None, folded=None, out=None) -> torch.Tensor:
+    """out [T, H, D] (float32, or `out` filled in place)."""
     impl = impl or (choose_impl() if kv_cache.device.type == "cpu" else "torch")
+    if impl == "native":
+        return attention_native(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
+                                causal, folded=folded, out=out)
+    res = _attention_other(impl, query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
+                           causal, folded)
+    if out is not None:
+        out.copy_(res.reshape(out.shape))
+        return out
+    return res
+
+
+def _attention_other(impl, query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
+                     causal, folded):
     if impl == "reference":
         return attention_reference(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
                                    scale, causal)

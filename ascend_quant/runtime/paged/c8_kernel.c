@@ -7,9 +7,9 @@
  * block and head (this layout is private to the C8 implementation: only it writes and reads pages).
  *
  * Quantization: q = clamp(round_half_even(x / scale[h*D + d]), -128, 127).
- * Attention: the caller folds the softmax scale and the per-channel K scale into the query
- * (q' = q * sm_scale * k_scale) and multiplies the output by the per-channel V scale, so the
- * kernel works on the raw int8 values: out = softmax(q' . k_q) @ v_q, with an online softmax
+ * Attention: the softmax scale and the per-channel K scale are folded into the query
+ * (q' = q * q_mul, q_mul = sm_scale * k_scale of the head's kv head) and the per-channel V
+ * scale into the output (out_mul), so the kernel works on the raw int8 values: out = softmax(q' . k_q) @ v_q, with an online softmax
  * over blocks. Work items are (request, query tile, kv head); every query head of the kv head's
  * group (GQA) shares the converted block.
  */
@@ -19,13 +19,29 @@
 #include <float.h>
 #include <omp.h>
 
+/* element types of query / key / value / output: 0 = float32, 1 = bfloat16 */
+static inline float ld(const void *p, int64_t i, int dt) {
+    if (dt == 0) return ((const float *)p)[i];
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    return c.f;
+}
+
+static inline void st(void *p, int64_t i, int dt, float x) {
+    if (dt == 0) { ((float *)p)[i] = x; return; }
+    union { uint32_t u; float f; } c;
+    c.f = x;
+    uint32_t r = c.u + 0x7FFFu + ((c.u >> 16) & 1u);       /* round to nearest even */
+    ((uint16_t *)p)[i] = (uint16_t)(r >> 16);
+}
+
 static inline int8_t quant1(float x, float s) {
     float q = nearbyintf(x / s);
     q = q < -128.f ? -128.f : (q > 127.f ? 127.f : q);
     return (int8_t)q;
 }
 
-void c8_write(const float *key, int64_t key_tok_stride, const float *value, int64_t value_tok_stride,
+void c8_write(const void *key, int64_t key_tok_stride, const void *value, int64_t value_tok_stride, int dt,
               const int64_t *slots, int64_t num_tokens, int8_t *cache, int64_t blk_stride,
               int64_t head_stride, int num_kv_heads, int head_dim, int block_size,
               const float *k_scale, const float *v_scale, int nthreads) {
@@ -37,12 +53,11 @@ void c8_write(const float *key, int64_t key_tok_stride, const float *value, int6
         int64_t b = slot / bs, o = slot % bs;
         for (int h = 0; h < num_kv_heads; h++) {
             int8_t *page = cache + b * blk_stride + h * head_stride;
-            const float *k = key + t * key_tok_stride + (int64_t)h * D;
-            const float *v = value + t * value_tok_stride + (int64_t)h * D;
+            const int64_t k0 = t * key_tok_stride + (int64_t)h * D, v0 = t * value_tok_stride + (int64_t)h * D;
             const float *ks = k_scale + (int64_t)h * D, *vs = v_scale + (int64_t)h * D;
-            for (int d = 0; d < D; d++) page[(int64_t)d * bs + o] = quant1(k[d], ks[d]);
+            for (int d = 0; d < D; d++) page[(int64_t)d * bs + o] = quant1(ld(key, k0 + d, dt), ks[d]);
             int8_t *vrow = page + (int64_t)bs * D + o * D;
-            for (int d = 0; d < D; d++) vrow[d] = quant1(v[d], vs[d]);
+            for (int d = 0; d < D; d++) vrow[d] = quant1(ld(value, v0 + d, dt), vs[d]);
         }
     }
 }
@@ -64,11 +79,12 @@ void c8_gather(const int8_t *cache, int64_t blk_stride, int64_t head_stride, con
     }
 }
 
-void c8_attention(const float *q, int64_t q_tok_stride, const int8_t *cache, int64_t blk_stride,
+void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_mul,
+                  const int8_t *cache, int64_t blk_stride,
                   int64_t head_stride, const int32_t *query_start_loc, const int32_t *seq_lens,
                   const int32_t *block_table, int64_t bt_stride, int num_reqs, int num_heads,
                   int num_kv_heads, int head_dim, int block_size, int causal, int q_tile,
-                  float *out, int nthreads) {
+                  void *out, int64_t out_tok_stride, int out_dt, const float *out_mul, int nthreads) {
     const int D = head_dim, bs = block_size, G = num_heads / num_kv_heads;
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (num_reqs + 1));
     item_start[0] = 0;
@@ -86,6 +102,7 @@ void c8_attention(const float *q, int64_t q_tok_stride, const int8_t *cache, int
         float *vf = (float *)aligned_alloc(64, sizeof(float) * ((size_t)D * bs + 16));
         float *s = (float *)aligned_alloc(64, sizeof(float) * (bs + 16));
         float *acc = (float *)aligned_alloc(64, sizeof(float) * ((size_t)max_rows * D + 16));
+        float *qbuf = (float *)aligned_alloc(64, sizeof(float) * ((size_t)max_rows * D + 16));
         float *m = (float *)malloc(sizeof(float) * max_rows);
         float *l = (float *)malloc(sizeof(float) * max_rows);
 #pragma omp for schedule(dynamic, 1)
@@ -107,9 +124,14 @@ void c8_attention(const float *q, int64_t q_tok_stride, const int8_t *cache, int
             const int kv_end = causal ? first_pos + nq : ctx;
             const int rows = nq * G;
             for (int rr = 0; rr < rows; rr++) {
+                const int i = rr / G, hq = kvh * G + rr % G;
                 m[rr] = -FLT_MAX;
                 l[rr] = 0.f;
-                for (int d = 0; d < D; d++) acc[(int64_t)rr * D + d] = 0.f;
+                const int64_t q0 = (t0 + i) * q_tok_stride + (int64_t)hq * D;
+                for (int d = 0; d < D; d++) {
+                    acc[(int64_t)rr * D + d] = 0.f;
+                    qbuf[(int64_t)rr * D + d] = ld(q, q0 + d, q_dt) * q_mul[(int64_t)hq * D + d];
+                }
             }
             const int nblocks = (kv_end + bs - 1) / bs;
             for (int b = 0; b < nblocks; b++) {
@@ -130,12 +152,12 @@ void c8_attention(const float *q, int64_t q_tok_stride, const int8_t *cache, int
                     for (int e = 0; e < n; e++) vf[e] = (float)src[e];
                 }
                 for (int rr = 0; rr < rows; rr++) {
-                    const int i = rr / G, g = rr % G;
+                    const int i = rr / G;
                     const int limit = causal ? first_pos + i + 1 : ctx;   /* keys [0, limit) */
                     int nkr = limit - base;
                     if (nkr <= 0) continue;
                     if (nkr > nk) nkr = nk;
-                    const float *qr = q + (t0 + i) * q_tok_stride + (int64_t)(kvh * G + g) * D;
+                    const float *qr = qbuf + (int64_t)rr * D;
 #pragma omp simd
                     for (int j = 0; j < nkr; j++) s[j] = 0.f;
                     for (int d = 0; d < D; d++) {
@@ -172,13 +194,14 @@ void c8_attention(const float *q, int64_t q_tok_stride, const int8_t *cache, int
                 }
             }
             for (int rr = 0; rr < rows; rr++) {
-                const int i = rr / G, g = rr % G;
-                float *o = out + ((t0 + i) * num_heads + kvh * G + g) * (int64_t)D;
+                const int i = rr / G, hq = kvh * G + rr % G;
+                const int64_t o0 = (t0 + i) * out_tok_stride + (int64_t)hq * D;
                 const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
-                for (int d = 0; d < D; d++) o[d] = acc[(int64_t)rr * D + d] * inv;
+                const float *om = out_mul + (int64_t)hq * D;
+                for (int d = 0; d < D; d++) st(out, o0 + d, out_dt, acc[(int64_t)rr * D + d] * inv * om[d]);
             }
         }
-        free(kf); free(vf); free(s); free(acc); free(m); free(l);
+        free(kf); free(vf); free(s); free(acc); free(qbuf); free(m); free(l);
     }
     free(item_start);
 }

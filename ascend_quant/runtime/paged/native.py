@@ -33,10 +33,10 @@ _error: str | None = None
 
 _i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 SIGNATURES = {
-    "c8_write": [_p, _i64, _p, _i64, _p, _i64, _p, _i64, _i64, _i32, _i32, _i32, _p, _p, _i32],
+    "c8_write": [_p, _i64, _p, _i64, _i32, _p, _i64, _p, _i64, _i64, _i32, _i32, _i32, _p, _p, _i32],
     "c8_gather": [_p, _i64, _i64, _p, _i64, _i32, _i32, _i32, _p, _p],
-    "c8_attention": [_p, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _i32,
-                     _p, _i32],
+    "c8_attention": [_p, _i64, _i32, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32,
+                     _i32, _p, _i64, _i32, _p, _i32],
 }
 
 

@@ -31,7 +31,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-logger = init_logger(__name__)
+# under vLLM's logger, so the lines reach the serving log (vLLM configures only "vllm.*")
+logger = init_logger("vllm.ascend_quant.attention")
 
 SCALE_PARAMS = ("k_cache_scale", "v_cache_scale", "k_cache_offset", "v_cache_offset")
 
@@ -130,13 +131,11 @@ class AscendC8AttentionImpl(CPUAttentionBackendImpl):
         if not AscendC8AttentionImpl._logged:
             AscendC8AttentionImpl._logged = True
             nb, _, bs, _ = kv_cache.shape
-            logger.info("ascend-quant: KV cache int8 (C8) on %s and the other C8 layers: %d blocks x %d = %d "
-                        "tokens per layer; attention: %s", getattr(self, "c8_layer_name", "?"), nb, bs, nb * bs,
-                        self.c8_impl)
+            logger.info("ascend-quant: KV cache int8 (C8): %d blocks x %d = %s tokens fit; C8 attention kernel: %s",
+                        nb, bs, f"{nb * bs:,}", self.c8_impl)
         t = attn_metadata.num_actual_tokens
         q = query[:t].view(t, self.num_heads, self.head_size)
-        res = paged.attention(q, kv_cache, self.c8_k_scale, self.c8_v_scale, attn_metadata.query_start_loc,
-                              attn_metadata.seq_lens, attn_metadata.block_table, self.scale,
-                              attn_metadata.causal, impl=self.c8_impl, folded=self.c8_folded)
-        output[:t].copy_(res.reshape(output[:t].shape))
+        paged.attention(q, kv_cache, self.c8_k_scale, self.c8_v_scale, attn_metadata.query_start_loc,
+                        attn_metadata.seq_lens, attn_metadata.block_table, self.scale, attn_metadata.causal,
+                        impl=self.c8_impl, folded=self.c8_folded, out=output[:t])
         return output

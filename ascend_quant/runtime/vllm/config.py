@@ -30,6 +30,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 logger = init_logger(__name__)
+serving_log = init_logger("vllm.ascend_quant")     # vLLM's handler: shows in the serving log
 
 METHOD_NAME = "ascend"
 ALIAS_NAME = "ascend_quant"
@@ -182,7 +183,7 @@ class AscendQuantConfig(QuantizationConfig):
 
         if not self._warned_c8:
             self._warned_c8 = True
-            logger.info("ascend-quant: KV cache int8 (C8) on the %d attention layers with kv_cache_scale in %s "
+            serving_log.info("ascend-quant: KV cache int8 (C8) on the %d attention layers with kv_cache_scale in %s "
                         "(others stay in the model dtype)", len(self.c8_layers()), self.description_file)
         return AscendC8KVCacheMethod(self, prefix)
 
