@@ -13,7 +13,6 @@ layer, and the layer's output (what the next layer is calibrated on) is the quan
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import json
 import re
@@ -35,7 +34,7 @@ from ascend_quant.models.adapters import Adapter, LinearGroup, adapter_for
 from ascend_quant.schemes import SCHEMES
 
 # Tokens used for the per-Linear error report (a fixed subsample keeps it cheap).
-_ERROR_TOKENS = 4096
+_ERROR_TOKENS = 1024
 
 
 class CalibrationError(Exception):
@@ -150,6 +149,7 @@ class _GroupQuantizer:
         self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}") for name in group.linears}
         self.source: torch.Tensor | None = None     # the input as it arrived
         self.transformed: torch.Tensor | None = None
+        self.seen_by_scheme: dict[str, torch.Tensor] = {}
 
     def pre_hook(self, module, args):
         x = args[0]
@@ -165,11 +165,15 @@ class _GroupQuantizer:
         return (self._activation_for(module, self.transformed),)
 
     def _activation_for(self, module, x: torch.Tensor) -> torch.Tensor:
+        """The input a member sees; members of one scheme share it (and, for static W8A8,
+        one range), so it is computed once per scheme."""
         name = next(n for n, m in self.modules.items() if m is module)
         scheme = self.schemes[name]
         if scheme == "FLOAT":
             return x
-        return _fake_quant_activation(x, scheme, self.results[f"{self.prefix}.{name}"])
+        if scheme not in self.seen_by_scheme:
+            self.seen_by_scheme[scheme] = _fake_quant_activation(x, scheme, self.results[f"{self.prefix}.{name}"])
+        return self.seen_by_scheme[scheme]
 
     def _running_qparams(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """msModelSlim's running observer, vectorized over the batch: sample b is quantized with
@@ -225,13 +229,18 @@ class _GroupQuantizer:
                 input_scale, input_offset = obs.qparams()
         # 3. weights: GPTQ on the shared Hessian of the (fake-quantized) input, or min-max
         hessians: dict[str, torch.Tensor] = {}
+        seen_flat: dict[str, torch.Tensor] = {}           # the fake-quantized input, per scheme
         subsample = flat[torch.linspace(0, flat.shape[0] - 1, min(_ERROR_TOKENS, flat.shape[0])).long()]
+        sub_seen: dict[str, torch.Tensor] = {}
         for name, scheme in quantized.items():
             module = self.modules[name]
             info = SCHEMES[scheme]
             probe = QuantizedLinear(scheme, torch.empty(0), torch.empty(0), None,
                                     input_scale=input_scale, input_offset=input_offset)
-            seen = _fake_quant_activation(flat, scheme, probe)
+            if scheme not in seen_flat:
+                seen_flat[scheme] = _fake_quant_activation(flat, scheme, probe)
+                sub_seen[scheme] = _fake_quant_activation(subsample, scheme, probe)
+            seen = seen_flat[scheme]
             method = recipe.method_for(f"{self.prefix}.{name}")
             w = module.weight.float()
             k = w.shape[1]
@@ -263,7 +272,7 @@ class _GroupQuantizer:
                                    input_scale, input_offset, running=running, row_parallel=group.row_parallel)
             wq = qlin.dequantized()
             ref = subsample @ w.t()          # the error report counts weight and activation rounding
-            err = _fake_quant_activation(subsample, scheme, dataclasses.replace(qlin, running=None)) @ wq.t() - ref
+            err = sub_seen[scheme] @ wq.t() - ref
             qlin.error = (err.norm() / ref.norm().clamp(min=1e-12)).item()
             module.weight.data = wq.to(module.weight.dtype)
             self.results[f"{self.prefix}.{name}"] = qlin

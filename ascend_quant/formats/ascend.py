@@ -19,7 +19,6 @@ from typing import Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from ascend_quant.schemes import SCHEMES
 
@@ -321,6 +320,36 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+_DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], filename: str) -> None:
+    """Write a safetensors file tensor by tensor (the format: 8-byte little-endian header
+    length, a JSON header of dtype/shape/offsets, then the raw data). Unlike
+    safetensors.torch.save_file it never holds a serialized copy of the whole file in
+    memory, which sets the calibrator's peak memory otherwise. Largest itemsize first, so
+    every tensor starts aligned."""
+    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict = {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(filename, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name in names:
+            t = tensors[name].detach().contiguous().cpu()
+            if t.numel():
+                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
