@@ -166,19 +166,24 @@ def find_description(path: Path) -> tuple[Path, str]:
                           "not an Ascend quantized checkpoint")
 
 
+def shard_index_files(index: Path, error: type[Exception] = CheckpointError) -> list[Path]:
+    """The shard files a `*.safetensors.index.json` names (each must exist)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError) as e:
+        raise error(f"{index}: unreadable shard index ({e})") from None
+    files = sorted({index.parent / f for f in weight_map.values()})
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise error(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
+    return files
+
+
 def find_weight_files(path: Path) -> tuple[list[Path], str | None]:
     """The safetensors files that hold the checkpoint's tensors, and 'sharded'/'v0' hints."""
     for index in [path / INDEX_NAME, *sorted(path.glob("quant_model_weight_*.safetensors.index.json"))]:
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{index}: unreadable shard index ({e})") from None
-            files = sorted({path / f for f in weight_map.values()})
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                raise CheckpointError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
-            return files, "sharded"
+            return shard_index_files(index), "sharded"
     if (path / WEIGHTS_NAME).is_file():
         return [path / WEIGHTS_NAME], None
     v0 = sorted(path.glob("quant_model_weight_*.safetensors"))

@@ -45,7 +45,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ascend_quant.formats.ascend import MODEL_SIDE_FILES, TensorInfo, _ST_DTYPES
+from ascend_quant.formats.ascend import MODEL_SIDE_FILES, TensorInfo, _ST_DTYPES, shard_index_files
 
 QUANT_METHOD = "compressed-tensors"
 WEIGHTS_NAME = "model.safetensors"
@@ -222,15 +222,7 @@ def _read_config(path: Path, required: bool = True) -> dict | None:
 def weight_files(path: Path) -> list[Path]:
     index = path / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise CompressedTensorsError(f"{index}: unreadable shard index ({e})") from None
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CompressedTensorsError(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
-        return files
+        return shard_index_files(index, CompressedTensorsError)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CompressedTensorsError(f"{path}: no *.safetensors weight files")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ascend_quant import numerics
-from ascend_quant.runtime.kernels.reference import EXACT_F32_CHUNK, ReferenceBackend, exact_int8_matmul
+from ascend_quant.runtime.kernels.reference import EXACT_F32_CHUNK, ReferenceBackend, exact_int8_matmul, int8_epilogue
 
 GEMMS = ("onednn", "f32", "int_mm")
 # How the "f32" path keeps weights: "compact" (default) keeps the integers (int4 packed two per
@@ -176,14 +176,7 @@ class CpuBackend(ReferenceBackend):
                 end = min(start + EXACT_F32_CHUNK, x.shape[-1])
                 part = (x[:, start:end] @ w.chunk(start, end)).to(torch.int32)
                 acc = part if acc is None else acc + part
-        if quant_bias is not None:
-            acc = acc + quant_bias.to(torch.int32)
-        y = acc.float() * w.scale
-        if pertoken_scale is not None:
-            y = y * pertoken_scale.float().reshape(-1, 1)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(out_dtype).reshape(*lead, -1)
+        return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
 
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.float32):
         if _weight_mode() == "float32":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_quant.runtime.kernels.reference import ReferenceBackend
+from ascend_quant.runtime.kernels.reference import ReferenceBackend, int8_epilogue
 
 
 def _cutlass():
@@ -57,14 +57,7 @@ class CudaBackend(ReferenceBackend):
         if pad:
             x2 = torch.cat([x2, x2.new_zeros((pad, x2.shape[1]))])
         acc = torch._int_mm(x2, w.weight_t)[:m]
-        if quant_bias is not None:
-            acc = acc + quant_bias.to(torch.int32)
-        y = acc.float() * w.scale
-        if pertoken_scale is not None:
-            y = y * pertoken_scale.float().reshape(-1, 1)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(out_dtype).reshape(*lead, -1)
+        return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
 
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.bfloat16):
         ref = super().prepare_weight_only(weight, scale, offset, bits, dtype)

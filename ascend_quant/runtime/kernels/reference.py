@@ -41,6 +41,22 @@ def exact_int8_matmul(x_q: torch.Tensor, w_q: torch.Tensor | None = None, *,
     return acc
 
 
+def int8_epilogue(acc: torch.Tensor, scale: torch.Tensor, quant_bias: torch.Tensor | None,
+                  pertoken_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """The float32 epilogue of an int8 GEMM, as the NPU computes it:
+    `((acc + quant_bias) * scale[n]) * pertoken_scale[t] + bias`, cast to `out_dtype` last.
+    acc: int32 [m, n]."""
+    if quant_bias is not None:
+        acc = acc + quant_bias.to(torch.int32)
+    y = acc.float() * scale
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.float().reshape(-1, 1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
 @dataclass
 class Int8Weight:
     """An int8 weight prepared for `int8_matmul`: w_q int8 [n, k] (kept as its exact float32
@@ -77,14 +93,7 @@ class ReferenceBackend:
         """`((x_q @ w^T + quant_bias) * scale[n]) * pertoken_scale[t] + bias`, float32 epilogue."""
         lead = x_q.shape[:-1]
         acc = exact_int8_matmul(x_q.reshape(-1, x_q.shape[-1]), w_f32_t=w.weight_f32_t)
-        if quant_bias is not None:
-            acc = acc + quant_bias.to(torch.int32)
-        y = acc.float() * w.scale
-        if pertoken_scale is not None:
-            y = y * pertoken_scale.float().reshape(-1, 1)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(out_dtype).reshape(*lead, -1)
+        return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
 
     # ---------------------------------------------------------------- weight-only
     def prepare_weight_only(self, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
