@@ -34,13 +34,13 @@ def calibration_section(d: dict) -> list[str]:
            f"paragraphs, {d['data'].get('calib_tokens', '?')} tokens; perplexity on {s.get('eval_tokens')} held-out "
            f"tokens at context 512; float perplexity {fl:.4f}; {d['machine'].get('cpus', '?')} CPUs, load "
            f"average at start {d['machine'].get('load_avg_at_start', ['?'])[0]:.1f}, other jobs running).", "",
-           "| scheme | tool | threads | wall s | peak RSS MB | perplexity | vs float |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+           "| scheme | tool | threads | wall s | peak RSS MB | checkpoint MB | perplexity | vs float |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["runs"]:
         ppl = r.get("ppl")
         title = d["schemes"].get(r["scheme"], {}).get("title", r["scheme"]) if isinstance(d.get("schemes"), dict) else r["scheme"]
         out.append(f"| {title} | {LABELS.get(r['tool'], r['tool'])} | {r['threads']} | {r['wall_s']:.1f} | "
-                   f"{r['peak_rss_mb']:.0f} | {'' if ppl is None else f'{ppl:.4f}'} | "
+                   f"{r['peak_rss_mb']:.0f} | {r.get('output_mb') or 0:.0f} | {'' if ppl is None else f'{ppl:.4f}'} | "
                    f"{'' if ppl is None else f'{ppl / fl - 1:+.2%}'} |")
     ratios = []
     ours = {(r["scheme"], r["threads"]): r for r in d["runs"] if r["tool"] == "ours"}
