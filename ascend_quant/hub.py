@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, MODEL_SIDE_FILES, CheckpointError,
+from ascend_quant.formats.ascend import (INDEX_NAME, MODEL_SIDE_FILES, CheckpointError,
                                          read_checkpoint)
 from ascend_quant.schemes import SCHEMES
 

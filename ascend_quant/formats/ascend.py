@@ -286,14 +286,30 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
     contributes config and tokenizer files (never weights); `config` replaces config.json.
     `extra_files` are written verbatim (e.g. the recipe, the model card).
     """
-    from huggingface_hub import split_torch_state_dict_into_shards
-
     out = Path(out)
     missing = set(tensors) - set(description)
     extra = set(description) - set(tensors)
     if missing or extra:
         raise ValueError(f"description and tensors disagree: no type for {sorted(missing)[:3]}, "
                          f"no tensor for {sorted(extra)[:3]}")
+    desc = build_description(description, group_size, metadata)
+    files = {DESCRIPTION_NAME: json.dumps(desc, indent=2) + "\n", **(extra_files or {})}
+    return write_weights_folder(out, tensors, filename_pattern="quant_model_weights{suffix}.safetensors",
+                                source_dir=source_dir, config=config, extra_files=files,
+                                max_shard_size=max_shard_size, overwrite=overwrite)
+
+
+def write_weights_folder(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *, filename_pattern: str,
+                         source_dir: str | os.PathLike | None = None, config: dict | None = None,
+                         extra_files: Mapping[str, str | bytes] | None = None, max_shard_size: int | str = "5GB",
+                         overwrite: bool = False, file_metadata: dict[str, str] | None = None) -> Path:
+    """Write a model folder atomically: config/tokenizer files from `source_dir` (never weights),
+    `config` as config.json, the tensors as safetensors shards named by `filename_pattern`
+    (with an index when sharded), and `extra_files` verbatim; all into a temporary sibling
+    that is renamed to `out` only when complete. Both checkpoint layouts are written by it."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -307,15 +323,14 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         state = _unshared({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-        split = split_torch_state_dict_into_shards(
-            state, filename_pattern="quant_model_weights{suffix}.safetensors", max_shard_size=max_shard_size)
+        split = split_torch_state_dict_into_shards(state, filename_pattern=filename_pattern,
+                                                   max_shard_size=max_shard_size)
         for filename, names in split.filename_to_tensors.items():
-            save_file({k: state[k] for k in names}, str(tmp / filename))
+            save_file({k: state[k] for k in names}, str(tmp / filename), metadata=file_metadata)
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        desc = build_description(description, group_size, metadata)
-        (tmp / DESCRIPTION_NAME).write_text(json.dumps(desc, indent=2) + "\n")
+            index_name = filename_pattern.format(suffix="") + ".index.json"
+            (tmp / index_name).write_text(json.dumps(index, indent=2) + "\n")
         for name, content in (extra_files or {}).items():
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode) as f:
@@ -332,7 +347,7 @@ _DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"
                 torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def save_file(tensors: Mapping[str, torch.Tensor], filename: str) -> None:
+def save_file(tensors: Mapping[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file tensor by tensor (the format: 8-byte little-endian header
     length, a JSON header of dtype/shape/offsets, then the raw data). Unlike
     safetensors.torch.save_file it never holds a serialized copy of the whole file in
@@ -346,6 +361,8 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: str) -> None:
         size = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
+    if metadata:
+        header["__metadata__"] = dict(metadata)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(filename, "wb") as f:

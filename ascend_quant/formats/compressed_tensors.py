@@ -35,17 +35,15 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from ascend_quant.formats.ascend import MODEL_SIDE_FILES, TensorInfo, _ST_DTYPES, shard_index_files
+from ascend_quant.formats.ascend import (TensorInfo, _ST_DTYPES, shard_index_files,
+                                         write_weights_folder)
 
 QUANT_METHOD = "compressed-tensors"
 WEIGHTS_NAME = "model.safetensors"
@@ -339,30 +337,6 @@ def write_compressed_tensors(out: str | os.PathLike, tensors: Mapping[str, torch
                              max_shard_size: int | str = "5GB") -> Path:
     """Write a compressed-tensors folder atomically (temp sibling renamed at the end);
     `config` is the whole config.json (with its quantization_config)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        if source_dir is not None:
-            for name in MODEL_SIDE_FILES:
-                src = Path(source_dir) / name
-                if src.is_file() and name != "config.json":
-                    shutil.copy2(src, tmp / name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
-        split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=max_shard_size)
-        for filename, names in split.filename_to_tensors.items():
-            save_file({k: state[k] for k in names}, str(tmp / filename), metadata={"format": "pt"})
-        if split.is_sharded:
-            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return write_weights_folder(out, tensors, filename_pattern="model{suffix}.safetensors",
+                                source_dir=source_dir, config=config, max_shard_size=max_shard_size,
+                                file_metadata={"format": "pt"})

@@ -383,7 +383,6 @@ def _regex_targets(names: list[str], all_names: set[str]) -> list[str]:
 def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | None,
                                  side: Path | None, drop_kv_cache: bool = False) -> ConversionResult:
     notes: list[str] = []
-    desc_name = ckpt.description_file.name
     config = _load_config(ckpt.config, side)
     if config is None:
         raise ConversionError(f"{ckpt.path}: no config.json; compressed-tensors keeps its quantization_config "
