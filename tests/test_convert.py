@@ -248,18 +248,25 @@ def test_asymmetric_compressed_tensors_weights_are_refused(tmp_path):
     assert "weight_zero_point" in line
 
 
-def test_fp8_kv_cache_is_refused_unless_dropped(ct_model, tmp_path):
-    folder = tmp_path / "fp8kv"
+def _with_kv_scheme(ct_model: Path, folder: Path, kind: str, scales) -> Path:
+    """A copy of a compressed-tensors model with an 8-bit per-tensor KV scheme of `kind`
+    ("int" or "float") and, per layer i, `scales(i) -> (k_scale, v_scale)` on `self_attn`."""
     shutil.copytree(ct_model, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": kind, "strategy": "tensor",
                                                      "symmetric": True, "dynamic": False}
     (folder / "config.json").write_text(json.dumps(cfg))
     state = load_file(folder / "model.safetensors")
     for i in range(2):
-        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([0.01])
-        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.02])
+        k, v = scales(i)
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([k])
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_fp8_kv_cache_is_refused_unless_dropped(ct_model, tmp_path):
+    folder = _with_kv_scheme(ct_model, tmp_path / "fp8kv", "float", lambda i: (0.01, 0.02))
     _cli_fails([str(folder)], tmp_path / "OUT", "float 8-bit KV cache", "self_attn.k_scale", "--drop-kv-cache")
     result = convert(folder, tmp_path / "dropped", drop_kv_cache=True)
     assert verify(result.out).ok and "C8" not in read_checkpoint(result.out).description.values()
@@ -478,17 +485,8 @@ def test_converted_library_checkpoint_serves_the_same_greedy_tokens(ct_model, ct
 
 def test_int8_kv_scales_become_c8_and_back(ct_model, tmp_path):
     """compressed-tensors int8 per-tensor KV scales (on `self_attn`) -> C8 per-channel (broadcast), and back."""
-    folder = tmp_path / "kv"
-    shutil.copytree(ct_model, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "int", "strategy": "tensor",
-                                                     "symmetric": True, "dynamic": False}
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = _with_kv_scheme(ct_model, tmp_path / "kv", "int", lambda i: (0.03 + i, 0.002 * (i + 1)))
     state = load_file(folder / "model.safetensors")
-    for i in range(2):
-        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([0.03 + i])
-        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.002 * (i + 1)])
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     asc = convert(folder, tmp_path / "asc")
     assert verify(asc.out).ok
     t = _tensors(asc.out)
