@@ -18,6 +18,31 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
     return ((2.0 / x.shape[0]) * (x.t() @ x)).double()
 
 
+def _inverse_cholesky_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """U (float32), the upper Cholesky factor of (H + damp I)^-1, which GPTQ's sweep needs.
+
+    With J the reversal permutation, chol(J H J) = L gives H = R R^T for the upper
+    triangular R = J L J, so U = R^-1: one factorization and one triangular inverse instead
+    of factor, invert, factor. At most three k x k float64 matrices live at once."""
+    k = H.shape[0]
+    flipped = H.flip(0, 1)                       # a copy: H itself is left alone
+    diag = flipped.diagonal()
+    step = percdamp * torch.mean(diag).item()
+    diag.add_(step)
+    for attempt in range(4):            # more dampening if H is not numerically positive definite
+        L, info = torch.linalg.cholesky_ex(flipped)
+        if info.item() == 0:
+            break
+        del L
+        diag.add_(step * (10 ** (attempt + 1) - 10 ** attempt))
+    else:
+        raise ValueError("GPTQ: the input Hessian is not positive definite even with 1000x dampening")
+    del flipped, diag
+    R = L.flip(0, 1)
+    del L
+    return torch.linalg.solve_triangular(R, torch.eye(k, dtype=R.dtype), upper=True).float()
+
+
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int = 0,
                   percdamp: float = 0.01, blocksize: int = 128, act_order: bool = False,
                   mse_scales: bool = True, scale: torch.Tensor | None = None
@@ -46,31 +71,31 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
     qmin, qmax = numerics.qrange(bits)
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)
-    W, H, scale_full = W[:, perm], H[perm][:, perm], scale_full[:, perm]
-    mean_diag = torch.mean(torch.diag(H))
-    for attempt in range(4):            # more dampening if H is not numerically positive definite
-        L, info = torch.linalg.cholesky_ex(H + (percdamp * 10 ** attempt) * mean_diag * torch.eye(k, dtype=H.dtype))
-        if info.item() == 0:
-            break
-    else:
-        raise ValueError("GPTQ: the input Hessian is not positive definite even with 1000x dampening")
-    Hinv = torch.cholesky_inverse(L)
-    Hinv = torch.linalg.cholesky(Hinv, upper=True).float()        # rows: the update directions
+    W, scale_full = W[:, perm], scale_full[:, perm]
+    if act_order:
+        H = H[perm][:, perm]
+    Hinv = _inverse_cholesky_upper(H, percdamp)
+    del H
 
-    Q = torch.zeros_like(W)
+    # The sweep works on the transpose: column i of W is the contiguous row Wt[i], and the
+    # rank-1 update of the block's remaining columns is one BLAS ger (addr_) per column.
+    # Rows of W are independent, so stacking the members of a fused group (q/k/v, gate/up:
+    # one shared Hessian) into one call is exact and shares the per-column overhead.
+    Wt, St = W.t().contiguous(), scale_full.t().contiguous()
+    del W, scale_full
+    Qt = torch.empty_like(Wt)
     for i1 in range(0, k, blocksize):
         i2 = min(i1 + blocksize, k)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
+        W1, Hinv1 = Wt[i1:i2], Hinv[i1:i2, i1:i2]
+        Err1 = torch.empty_like(W1)
+        inv_diag = (1.0 / torch.diagonal(Hinv1)).tolist()
         for i in range(i2 - i1):
-            col = W1[:, i]
-            s = scale_full[:, i1 + i]
-            q = torch.clamp(torch.round(col / s), qmin, qmax)
-            Q[:, i1 + i] = q
-            err = (col - q * s) / Hinv1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            w, s, q, err = W1[i], St[i1 + i], Qt[i1 + i], Err1[i]
+            torch.div(w, s, out=q).round_().clamp_(qmin, qmax)
+            torch.addcmul(w, q, s, value=-1.0, out=err).mul_(inv_diag[i])   # (w - q s) / Hinv[i, i]
+            if i + 1 < i2 - i1:
+                W1[i + 1:].addr_(Hinv1[i, i + 1:], err, alpha=-1.0)
+        if i2 < k:
+            Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
     inv = torch.argsort(perm)
-    return Q[:, inv].to(torch.int8), scale.float()
+    return Qt[inv].t().to(torch.int8).contiguous(), scale.float()
