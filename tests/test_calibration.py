@@ -146,19 +146,92 @@ def test_packing_and_padding(tiny, calib_jsonl):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny)
     texts = load_texts(calib_jsonl)
-    ids, valid = tokenize_samples(texts, tok, 4, 32, seed=0)
+    ids, valid, _ = tokenize_samples(texts, tok, 4, 32, seed=0)
     assert ids.shape == (4, 32) and valid.all()
-    again, _ = tokenize_samples(texts, tok, 4, 32, seed=0)
+    again, _, _ = tokenize_samples(texts, tok, 4, 32, seed=0)
     assert torch.equal(ids, again)
-    other, _ = tokenize_samples(texts, tok, 4, 32, seed=1)
+    other, _, _ = tokenize_samples(texts, tok, 4, 32, seed=1)
     assert not torch.equal(ids, other)
-    ids, valid = tokenize_samples(texts, tok, 8, 4096, packing=False)
+    ids, valid, _ = tokenize_samples(texts, tok, 8, 4096, packing=False)
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     assert valid.sum(1).tolist() == lengths
     with pytest.raises(DataError, match="fewer than one sample"):
         tokenize_samples(["hi"], tok, 4, 512)
     with pytest.raises(DataError, match="no text"):
         tokenize_samples([], tok, 4, 512)
+
+
+
+def test_shared_rows_compute_each_sample_alone(tiny, calib_jsonl):
+    """Short samples bin-packed into shared rows (position ids restarting per sample) give
+    every token the hidden state it has when its sample runs alone, with less padding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    long = " ".join(load_texts(calib_jsonl))
+    texts = [long[:n] for n in (600, 90, 240, 40, 300, 150, 120, 60)]     # uneven lengths
+    alone = tokenize_samples(texts, tok, 8, 4096, packing=False)
+    shared = tokenize_samples(texts, tok, 8, 4096, packing=False, share_rows=True)
+    assert shared.ids.shape[0] < alone.ids.shape[0] and shared.valid.sum() == alone.valid.sum()
+    assert shared.valid.float().mean() > alone.valid.float().mean()
+
+    def per_sample(s):
+        with torch.no_grad():
+            h = model.model(input_ids=s.ids, position_ids=s.position_ids, use_cache=False).last_hidden_state
+        out = {}
+        for r in range(s.ids.shape[0]):
+            starts = ((s.position_ids[r] == 0) & s.valid[r]).nonzero().squeeze(1).tolist()
+            for a, b in zip(starts, starts[1:] + [int(s.valid[r].sum())]):
+                out[tuple(s.ids[r, a:b].tolist())] = h[r, a:b]
+        return out
+
+    a, b = per_sample(alone), per_sample(shared)
+    assert a.keys() == b.keys() and len(a) == 8
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4)
+
+
+def test_shared_rows_calibrate_like_one_row_each(tiny, calib_jsonl):
+    """Through the calibrator's attention hook too: quantizing on shared rows gives the
+    ranges, scales and int8 weights of one sample per row (min-max rounding: GPTQ would turn
+    the Hessian's summation-order ulps into a few flipped ties), and the same C8 scales."""
+    import dataclasses
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny)
+    long = " ".join(load_texts(calib_jsonl))
+    texts = [long[:n] for n in (600, 90, 240, 40, 300, 150, 120, 60)]
+    outs = []
+    for share in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+        s = tokenize_samples(texts, tok, 8, 4096, packing=False, share_rows=share)
+        recipe = dataclasses.replace(recipes.preset("w8a8"), method="minmax", kv_cache=recipes.KVCache())
+        results, kv, _ = pipeline.quantize_model(model, s.ids, recipe, valid=s.valid,
+                                                 position_ids=s.position_ids)
+        outs.append((results, kv))
+    (a, ka), (b, kb) = outs
+    for name in a:
+        torch.testing.assert_close(b[name].input_scale, a[name].input_scale, rtol=1e-5, atol=0)
+        torch.testing.assert_close(b[name].scale, a[name].scale, rtol=1e-5, atol=0)
+        assert (b[name].q != a[name].q).float().mean() < 1e-4
+    for name in ka:
+        for x, y in zip(kb[name], ka[name]):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=0)
+
+
+def test_streamed_model_matches_the_loaded_one(tiny):
+    """Layers read one at a time from safetensors: same logits as transformers' loader, and
+    nothing but the embeddings and norms resident before the first layer is read."""
+    from transformers import AutoModelForCausalLM
+    from ascend_quant.calibration.streaming import StreamedModel
+    streamed = StreamedModel(tiny)
+    layer0 = streamed.model.model.layers[0]
+    assert layer0.self_attn.q_proj.weight.is_meta and not streamed.model.model.embed_tokens.weight.is_meta
+    for i in range(len(streamed.model.model.layers)):
+        streamed.load_layer(i)
+    full = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(streamed.model(ids).logits, full(ids).logits, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------- the pipeline
@@ -302,6 +375,15 @@ def test_cli_bad_inputs(tmp_path, tiny, calib_jsonl):
     res = _run(["calibrate", str(tiny), "-o", str(out), "--dataset", str(short)])
     assert res.exit_code == 1 and "fewer than one sample" in res.output
     assert not out.exists()
+
+
+def test_hub_id_offline_is_one_line(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    res = _run(["calibrate", "acme-nonexistent/model-x", "-o", str(tmp_path / "q")])
+    assert res.exit_code == 1 and "acme-nonexistent/model-x" in res.output and "Hub" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "q").exists()
 
 
 def test_unknown_architecture(tmp_path, tiny, calib_jsonl):

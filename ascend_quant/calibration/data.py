@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 TEXT_KEYS = ("text", "inputs_pretokenized", "content", "prompt", "extract")
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class Samples(NamedTuple):
+    """Calibration tokens as rows of a batch."""
+    ids: torch.Tensor            # [R, L] token ids
+    valid: torch.Tensor          # [R, L] bool: real tokens (False: padding)
+    position_ids: torch.Tensor   # [R, L]: restarts at 0 where a new sample begins inside a row
 
 
 class DataError(Exception):
@@ -80,15 +88,17 @@ def _column(ds, where: str) -> list[str]:
 
 
 def tokenize_samples(texts: list[str], tokenizer, num_samples: int, seq_len: int, seed: int = 0,
-                     chat_template: bool = False, packing: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Calibration samples: (token ids [N, L], valid mask [N, L] bool).
+                     chat_template: bool = False, packing: bool = True, share_rows: bool = False
+                     ) -> Samples:
+    """Calibration samples as rows of token ids, with a valid mask and position ids.
 
     With `packing` the texts are shuffled (fixed seed), tokenized, concatenated with EOS
-    between documents and cut into `seq_len` windows (every token valid). Without it,
-    each text is one sample in file order, truncated to `seq_len` and right-padded; the
-    mask marks the real tokens (under causal attention they never see the padding).
-    Raises DataError when the data cannot fill even one sample.
+    between documents and cut into `seq_len` windows (every token valid). Without it, each
+    text is one sample in file order, truncated to `seq_len`: one sample per row,
+    right-padded to the longest; with `share_rows` short samples are bin-packed several to
+    a row instead (position ids restart at each sample, so transformers gives every sample
+    its own causal block: the same computation as one row each, without most of the
+    padding). Raises DataError when the data cannot fill even one sample.
     """
     if not texts:
         raise DataError("the dataset has no text")
@@ -99,17 +109,23 @@ def tokenize_samples(texts: list[str], tokenizer, num_samples: int, seq_len: int
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     if not packing:
-        rows = [ids[:seq_len] for ids in (encode(t) for t in texts[:num_samples]) if ids]
-        if not rows:
+        docs = [ids[:seq_len] for ids in (encode(t) for t in texts[:num_samples]) if ids]
+        if not docs:
             raise DataError("the dataset has no tokens")
-        width = max(len(r) for r in rows)
+        rows = _share_rows(docs) if share_rows else [[d] for d in docs]
+        width = max(sum(len(d) for d in row) for row in rows)
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = True
-        return ids, mask
+        positions = torch.arange(width).repeat(len(rows), 1)
+        for i, row in enumerate(rows):
+            at = 0
+            for d in row:
+                ids[i, at:at + len(d)] = torch.tensor(d)
+                mask[i, at:at + len(d)] = True
+                positions[i, at:] = torch.arange(width - at)    # padding continues the last sample
+                at += len(d)
+        return Samples(ids, mask, positions)
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -127,7 +143,23 @@ def tokenize_samples(texts: list[str], tokenizer, num_samples: int, seq_len: int
         warnings.warn(f"the dataset fills only {available} of {num_samples} samples of {seq_len} tokens")
     n = min(available, num_samples)
     ids = torch.tensor(ids_[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
-    return ids, torch.ones_like(ids, dtype=torch.bool)
+    return Samples(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(seq_len).repeat(n, 1))
+
+
+def _share_rows(docs: list[list[int]]) -> list[list[list[int]]]:
+    """First-fit decreasing: rows as wide as the longest sample, filled with the others."""
+    width = max(len(d) for d in docs)
+    rows: list[list[list[int]]] = []
+    room: list[int] = []
+    for d in sorted(docs, key=len, reverse=True):
+        slot = next((i for i, r in enumerate(room) if r >= len(d)), None)
+        if slot is None:
+            rows.append([])
+            room.append(width)
+            slot = len(rows) - 1
+        rows[slot].append(d)
+        room[slot] -= len(d)
+    return rows
 
 
 def eval_windows(texts: list[str], tokenizer, tokens: int, seq_len: int) -> torch.Tensor:

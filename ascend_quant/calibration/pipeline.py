@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ascend_quant import numerics
+from ascend_quant import memory, numerics
 from ascend_quant.calibration.gptq import gptq_quantize, hessian
 from ascend_quant.calibration.kv import KVObserver
 from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
@@ -145,6 +145,7 @@ class _GroupQuantizer:
         self.layer, self.group, self.prefix, self.recipe, self.results = layer, group, prefix, recipe, results
         self.valid2d = valid                      # [N, L] bool: real tokens, not padding
         self.valid = valid.reshape(-1)
+        self.all_valid = bool(self.valid.all())    # then `flat` below is a view, not a copy
         self.modules = {name: layer.get_submodule(name) for name in group.linears}
         self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}") for name in group.linears}
         self.source: torch.Tensor | None = None     # the input as it arrived
@@ -157,12 +158,14 @@ class _GroupQuantizer:
             return (self._activation_for(module, self.transformed),)
         if self.source is not None:
             raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
-        if not torch.isfinite(x.reshape(-1, x.shape[-1])[self.valid]).all():
-            raise CalibrationError(f"NaN or Inf in the input of {self.prefix}.{self.group.linears[0]} "
-                                   "(check the model's dtype and the calibration data)")
         self.source = x
         self.transformed = self._quantize(x)
         return (self._activation_for(module, self.transformed),)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[real tokens, k]: a view when there is no padding."""
+        flat = x.reshape(-1, x.shape[-1])
+        return flat if self.all_valid else flat[self.valid]
 
     def _activation_for(self, module, x: torch.Tensor) -> torch.Tensor:
         """The input a member sees; members of one scheme share it (and, for static W8A8,
@@ -202,18 +205,21 @@ class _GroupQuantizer:
         quantized = {n: s for n, s in self.schemes.items() if s != "FLOAT"}
         if not quantized:
             return x
-        flat = x.reshape(-1, x.shape[-1])[self.valid]
+        flat = self._tokens(x)
+        if not torch.isfinite(flat).all():
+            raise CalibrationError(f"NaN or Inf in the input of {self.prefix}.{self.group.linears[0]} "
+                                   "(check the model's dtype and the calibration data)")
         # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
         if self._smooths(quantized.values()):
             producer = self.layer.get_submodule(group.smooth_into)
-            s = smoothing_factors(flat.abs().amax(0), [m.weight for m in self.modules.values()],
-                                  recipe.smoothquant.alpha)
+            s = smoothing_factors(torch.maximum(flat.amax(0), -flat.amin(0)),
+                                  [m.weight for m in self.modules.values()], recipe.smoothquant.alpha)
             apply_smoothing(producer, list(self.modules.values()), s)
             done = self.results.get(f"{self.prefix}.{group.smooth_into}")
             if done is not None:          # the producer is a Linear quantized earlier in this layer
                 done.scale_rows(s)
             x = x / s.to(x.dtype)
-            flat = x.reshape(-1, x.shape[-1])[self.valid]
+            flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
         # 2. activation range (static W8A8): one for the whole group
         input_scale = input_offset = running = None
         if any(SCHEMES[s].activation_mode == "static" for s in quantized.values()):
@@ -227,48 +233,61 @@ class _GroupQuantizer:
                 obs = RangeObserver(recipe.activations.percentile if recipe.activations.observer == "percentile" else 100.0)
                 obs.update(flat)
                 input_scale, input_offset = obs.qparams()
-        # 3. weights: GPTQ on the shared Hessian of the (fake-quantized) input, or min-max
-        hessians: dict[str, torch.Tensor] = {}
+        # 3. weights: GPTQ on the shared Hessian of the (fake-quantized) input, or min-max.
+        # Members of one scheme share that input, so their GPTQ runs once on the rows stacked.
         seen_flat: dict[str, torch.Tensor] = {}           # the fake-quantized input, per scheme
         subsample = flat[torch.linspace(0, flat.shape[0] - 1, min(_ERROR_TOKENS, flat.shape[0])).long()]
         sub_seen: dict[str, torch.Tensor] = {}
+        plans: dict[str, dict] = {}
         for name, scheme in quantized.items():
-            module = self.modules[name]
             info = SCHEMES[scheme]
             probe = QuantizedLinear(scheme, torch.empty(0), torch.empty(0), None,
                                     input_scale=input_scale, input_offset=input_offset)
             if scheme not in seen_flat:
-                seen_flat[scheme] = _fake_quant_activation(flat, scheme, probe)
+                # the input the members compute with: kept for the forward (unless msModelSlim's
+                # per-sample running ranges apply there), its real tokens feed the Hessian
+                full = _fake_quant_activation(x, scheme, probe)
+                if running is None:
+                    self.seen_by_scheme[scheme] = full
+                seen_flat[scheme] = self._tokens(full)
                 sub_seen[scheme] = _fake_quant_activation(subsample, scheme, probe)
-            seen = seen_flat[scheme]
             method = recipe.method_for(f"{self.prefix}.{name}")
-            w = module.weight.float()
+            w = self.modules[name].weight.float()
             k = w.shape[1]
             gs = recipe.group_size if info.weight_bits == 4 or (scheme == "W8A16" and recipe.group_size) else 0
             if gs and k % gs:
                 raise CalibrationError(
                     f"{self.prefix}.{name}: in-features {k} are not divisible by --group-size {gs}; "
                     f"use a group size that divides {k} (e.g. 64 or 32)")
-            two_stage = scheme == "W4A8_DYNAMIC" and gs > 0
-            fixed = None
-            s1 = s2 = None
-            if two_stage:
+            s1 = s2 = fixed = None
+            if scheme == "W4A8_DYNAMIC" and gs > 0:                     # two-stage int4 scales
                 s1 = numerics.absmax_scale(w.abs().amax(-1, keepdim=True), numerics.TWO_STAGE_INT8_BOUND)
                 group_scale = mse_weight_scale(w, 4, gs) if method == "gptq" else numerics.weight_scale(w, 4, gs)
                 s2 = torch.clamp(torch.round(group_scale / s1), 1.0, 127.0)
                 fixed = s1 * s2
-            if method == "gptq":
-                if scheme not in hessians:      # members of a group share their input
-                    hessians[scheme] = hessian(seen)
-                h = hessians[scheme]
-                g = recipe.gptq
-                q, scale = gptq_quantize(w, h, info.weight_bits, gs, g.damp, g.block_size, g.act_order,
-                                         g.mse_scales, scale=fixed)
+            plans[name] = dict(scheme=scheme, method=method, w=w, gs=gs, s1=s1, s2=s2, fixed=fixed)
+        quantized_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        batches: dict[tuple, list[str]] = {}
+        for name, plan in plans.items():
+            if plan["method"] == "gptq":
+                batches.setdefault((plan["scheme"], plan["gs"], plan["fixed"] is not None), []).append(name)
             else:
-                scale = fixed if fixed is not None else numerics.weight_scale(w, info.weight_bits, gs)
-                q = numerics.quantize(w, scale, info.weight_bits)
+                scale = plan["fixed"] if plan["fixed"] is not None else \
+                    numerics.weight_scale(plan["w"], SCHEMES[plan["scheme"]].weight_bits, plan["gs"])
+                quantized_weights[name] = (numerics.quantize(plan["w"], scale, SCHEMES[plan["scheme"]].weight_bits), scale)
+        for (scheme, gs, has_fixed), names in batches.items():
+            g = recipe.gptq
+            rows = [plans[n]["w"].shape[0] for n in names]
+            fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
+            q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]), hessian(seen_flat[scheme]),
+                                     SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
+                                     g.mse_scales, scale=fixed)
+            quantized_weights.update(zip(names, zip(q.split(rows), scale.split(rows))))
+        for name, plan in plans.items():
+            scheme, module, w = plan["scheme"], self.modules[name], plan["w"]
+            q, scale = quantized_weights[name]
             bias = module.bias.detach().float().clone() if module.bias is not None else None
-            qlin = QuantizedLinear(scheme, q, s1 if two_stage else scale, bias, s2 if two_stage else None,
+            qlin = QuantizedLinear(scheme, q, plan["s1"] if plan["s1"] is not None else scale, bias, plan["s2"],
                                    input_scale, input_offset, running=running, row_parallel=group.row_parallel)
             wq = qlin.dequantized()
             ref = subsample @ w.t()          # the error report counts weight and activation rounding
@@ -276,6 +295,8 @@ class _GroupQuantizer:
             qlin.error = (err.norm() / ref.norm().clamp(min=1e-12)).item()
             module.weight.data = wq.to(module.weight.dtype)
             self.results[f"{self.prefix}.{name}"] = qlin
+        del plans, quantized_weights, seen_flat
+        memory.trim()
         return x
 
 
@@ -338,8 +359,11 @@ def _dispatch_kv_hook(module, key, value):
 # ------------------------------------------------------------------------ pipeline
 
 @torch.no_grad()
-def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Run the model up to its first decoder layer: (hidden states [N, L, H], layer kwargs)."""
+def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor,
+                         position_ids: torch.Tensor | None = None, load_layer=None) -> tuple[torch.Tensor, dict]:
+    """Run the model up to its first decoder layer: (hidden states [N, L, H], layer kwargs).
+    `position_ids` that restart inside a row make transformers mask each sample off from the
+    others (samples sharing a row)."""
     layer0 = adapter.layers(model)[0]
     captured: dict = {}
 
@@ -350,7 +374,7 @@ def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor) -> tupl
 
     handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        model(input_ids=samples, use_cache=False)
+        model(input_ids=samples, position_ids=position_ids, use_cache=False)
     except _StopForward:
         pass
     finally:
@@ -360,7 +384,8 @@ def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor) -> tupl
 
 @torch.no_grad()
 def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
-                   valid: torch.Tensor | None = None, release_weights: bool = False) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
+                   valid: torch.Tensor | None = None, release_weights: bool = False,
+                   position_ids: torch.Tensor | None = None, load_layer=None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
     """Quantize `model` in place (fake-quant weights, smoothed norms) layer by layer.
 
     `valid` [N, L] marks real tokens (False: right padding, excluded from every statistic).
@@ -372,7 +397,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     """
     adapter = adapter_for(model)
     install_attention_hook(model, _dispatch_kv_hook)
-    x, kwargs = capture_layer_inputs(model, adapter, samples)
+    x, kwargs = capture_layer_inputs(model, adapter, samples, position_ids)
     if valid is None:
         valid = torch.ones(samples.shape, dtype=torch.bool)
     valid = valid.to(x.device)
@@ -382,6 +407,8 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     layers = adapter.layers(model)
     for i, layer in enumerate(layers):
         start = time.perf_counter()
+        if load_layer is not None:          # streamed: this layer's float weights arrive now
+            load_layer(i)
         prefix = f"{adapter.layers_path}.{i}"
         groups = [_GroupQuantizer(layer, g, prefix, recipe, results, valid) for g in adapter.groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
@@ -412,6 +439,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                 if name.startswith(prefix + "."):
                     layer.get_submodule(name[len(prefix) + 1:]).weight = torch.nn.Parameter(
                         torch.empty(0), requires_grad=False)
+        memory.trim()                       # this layer's temporaries, back to the system
         report = LayerReport(i, time.perf_counter() - start)
         for gq in groups:
             for name, scheme in gq.schemes.items():
@@ -481,35 +509,58 @@ class CalibrationResult:
     reports: list[LayerReport]
 
 
-def load_model(model_id: str, device: str = "cpu"):
-    """(tokenizer, fp32 model, source dtype, local folder) from a folder or a Hub id."""
+@dataclass
+class LoadedModel:
+    tokenizer: object
+    model: torch.nn.Module
+    source_dtype: torch.dtype
+    local: Path                                   # the folder holding config and tokenizer
+    load_layer: object = None                     # callable(i): read layer i (streamed), or None
+
+
+def load_model(model_id: str, device: str = "cpu", stream: bool = True) -> LoadedModel:
+    """A folder or Hub id as an fp32 model. With `stream` (and safetensors whose names match
+    the modules) the decoder layers are read one at a time as calibration reaches them
+    (calibration/streaming.py); otherwise the whole model is loaded by transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ascend_quant.calibration.streaming import StreamedModel, StreamingUnavailable
 
     path = Path(model_id)
     if not path.exists() and (model_id.startswith((".", "/", "~")) or model_id.count("/") > 1):
         raise CalibrationError(f"{model_id}: no such model folder")
+    where = "folder" if path.exists() else "Hugging Face Hub id (offline or not found?)"
     try:
-        config = AutoConfig.from_pretrained(model_id)
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
-        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
+        local = path if path.exists() else Path(_snapshot_dir(model_id))
+        config = AutoConfig.from_pretrained(local)
+        tokenizer = AutoTokenizer.from_pretrained(local)
+        streamed = None
+        if stream:
+            try:
+                streamed = StreamedModel(local, device)
+            except StreamingUnavailable:
+                streamed = None
+        model = streamed.model if streamed else AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
     except OSError as e:
-        where = "folder" if path.exists() else "Hugging Face Hub id (offline or not found?)"
         raise CalibrationError(f"{model_id}: cannot load as a {where}: {str(e).splitlines()[0][:200]}") from None
     except ValueError as e:
         raise CalibrationError(f"{model_id}: {str(e).splitlines()[0][:300]}") from None
-    if device != "cpu":
+    except Exception as e:
+        if type(e).__module__.startswith("huggingface_hub"):       # offline, unknown repo, gated, ...
+            raise CalibrationError(f"{model_id}: cannot load as a {where}: {type(e).__name__}") from None
+        raise
+    if device != "cpu" and streamed is None:
         model.to(device)
     source_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(source_dtype, str):
         source_dtype = getattr(torch, source_dtype)
-    local = path if path.exists() else Path(_snapshot_dir(model_id))
     model.eval()
-    return tokenizer, model, source_dtype, local
+    return LoadedModel(tokenizer, model, source_dtype, local, streamed.load_layer if streamed else None)
 
 
 def _snapshot_dir(model_id: str) -> str:
     from huggingface_hub import snapshot_download
-    return snapshot_download(model_id, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja"])
+    return snapshot_download(model_id, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.safetensors"])
 
 
 def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | None = None,
@@ -526,10 +577,16 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         raise CalibrationError(f"{out} already exists (choose another -o or remove it)")
     start = time.perf_counter()
     torch.manual_seed(seed)
-    tokenizer, model, source_dtype, local = load_model(model_id, device)
+    loaded = load_model(model_id, device)
+    tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
     adapter_for(model)      # fail early on an unsupported architecture
     texts = load_texts(dataset, "calibration")
-    samples, valid = tokenize_samples(texts, tokenizer, num_samples, seq_len, seed, chat_template, packing)
+    # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
+    per_sample = recipe.activations.observer == "running" or (
+        recipe.kv_cache is not None and recipe.kv_cache.method == "msmodelslim")
+    samples, valid, position_ids = tokenize_samples(texts, tokenizer, num_samples, seq_len, seed, chat_template,
+                                                    packing, share_rows=not per_sample)
+    n_samples = int(((position_ids == 0) & valid).sum())
     bar = None
     if show_progress:
         from tqdm import tqdm
@@ -543,7 +600,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
 
     try:
         results, kv_scales, reports = quantize_model(model, samples.to(device), recipe, progress, valid,
-                                                     release_weights=True)
+                                                     release_weights=True, position_ids=position_ids.to(device),
+                                                     load_layer=loaded.load_layer)
     finally:
         if bar is not None:
             bar.close()
@@ -551,7 +609,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     config = config_with_quant_method(read_json(local / "config.json"), recipe)
     base_model, license_ = source_identity(model_id, local)
     meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
-            "num_samples": int(samples.shape[0]), "seq_len": int(seq_len),
+            "num_samples": n_samples, "seq_len": int(seq_len),
             "dataset": _dataset_name(dataset), "seed": seed}
     files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
              "ascend_quant_calibration.json": json.dumps(
@@ -563,7 +621,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     group_size = group_size_for(recipe, results)
     write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                      metadata=meta, extra_files=files, overwrite=overwrite)
-    return CalibrationResult(out, time.perf_counter() - start, int(samples.shape[0]), seq_len, reports)
+    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports)
 
 
 def _dataset_name(dataset: str | None) -> str:

@@ -64,28 +64,10 @@ cli.add_command(upload_cmd)
 cli.add_command(serve)
 
 
-def _return_freed_memory() -> None:
-    """Make glibc serve large blocks with mmap, and so give them back when freed.
-
-    glibc raises its mmap threshold each time a large block is freed, after which the
-    calibrator's many short-lived tensors of a few MB come from the heap and stay in the
-    process's RSS: measured here, calibrating SmolLM2-135M peaked at 1.94 GB that way and at
-    1.68 GB with the threshold fixed at 128 KiB (what MALLOC_MMAP_THRESHOLD_ does)."""
-    import ctypes
-    import ctypes.util
-    import os
-
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 128 * 1024)          # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):         # not glibc: nothing to tune
-        pass
-
-
 def main() -> None:
-    _return_freed_memory()
+    from ascend_quant.memory import tune_malloc
+
+    tune_malloc()
     cli()
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 KVHook = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -48,6 +49,9 @@ def install_attention_hook(model: torch.nn.Module, hook: KVHook) -> tuple[str, s
 
     name = f"ascend_quant_hook_{next(_counter)}"
     AttentionInterface.register(name, attention)
+    # and the same mask as before: without one registered under the new name transformers
+    # builds no mask at all (plain causal), dropping padding and packed-sample masks
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[previous])
     model.set_attn_implementation(name)
     return name, previous
 

@@ -1,0 +1,105 @@
+"""Layer streaming: build the model without its weights and read each decoder layer's
+tensors from the safetensors files only when the calibrator reaches that layer.
+
+The calibrator needs one float layer at a time (the quantized ones keep only their int8
+copy), so streaming keeps the resident float weights at the embeddings plus one layer,
+instead of the whole model, and a model larger than RAM calibrates as long as one layer and
+its activations fit. Tensors are read as private copies through short-lived file handles,
+so no memory map of the checkpoint stays resident.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+class StreamingUnavailable(Exception):
+    """The folder cannot be streamed (no safetensors, names that differ from the modules)."""
+
+
+class WeightFiles:
+    """Which safetensors file holds each tensor of a checkpoint folder."""
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {name: folder / file for name, file in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            self.where = {}
+            for path in sorted(folder.glob("*.safetensors")):
+                with safe_open(str(path), "pt") as f:
+                    self.where.update({name: path for name in f.keys()})
+        if not self.where:
+            raise StreamingUnavailable(f"{folder}: no safetensors weights")
+
+    def read(self, names: list[str], dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            by_file[self.where[name]].append(name)
+        out = {}
+        for path, file_names in by_file.items():
+            with safe_open(str(path), "pt") as f:
+                for name in file_names:
+                    t = f.get_tensor(name)
+                    # a copy of our own: the file's mapping closes with the handle
+                    out[name] = t.to(device=device, dtype=dtype, copy=True)
+        return out
+
+
+class StreamedModel:
+    """A transformers causal LM whose decoder layers are loaded on demand."""
+
+    def __init__(self, folder: Path, device: str = "cpu"):
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ascend_quant.models.adapters import adapter_for
+
+        self.folder, self.device = Path(folder), device
+        self.files = WeightFiles(self.folder)
+        config = AutoConfig.from_pretrained(self.folder)
+        with init_empty_weights(include_buffers=False):      # parameters on meta, buffers real
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.eval()
+        self.model = model
+        self.adapter = adapter_for(model)
+        names = list(model.state_dict())
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        out_emb = model.get_output_embeddings()
+        self.tied_name = next((n for n, p in model.named_parameters(remove_duplicate=False)
+                               if out_emb is not None and p is out_emb.weight and n.startswith("lm_head")), None)
+        needed = [n for n in names if not (self.tied and n == self.tied_name)]
+        missing = [n for n in needed if n not in self.files.where]
+        if missing:
+            raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
+        layers = self.adapter.layers_path + "."
+        self._load([n for n in needed if not n.startswith(layers)])
+        if self.tied and out_emb is not None:
+            out_emb.weight = model.get_input_embeddings().weight
+        self.layer_names: dict[int, list[str]] = defaultdict(list)
+        for n in needed:
+            if n.startswith(layers):
+                self.layer_names[int(n[len(layers):].split(".", 1)[0])].append(n)
+
+    def _load(self, names: list[str]) -> None:
+        for name, tensor in self.files.read(names, torch.float32, self.device).items():
+            module_name, _, param = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            if param in module._parameters:
+                module._parameters[param] = torch.nn.Parameter(tensor, requires_grad=False)
+            else:
+                module._buffers[param] = tensor
+
+    def load_layer(self, index: int) -> None:
+        """Read decoder layer `index`'s tensors (called just before the calibrator runs it)."""
+        self._load(self.layer_names[index])
