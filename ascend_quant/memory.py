@@ -1,13 +1,19 @@
 """glibc malloc tuning for long calibration runs (no-ops on other C libraries).
 
-The calibrator allocates thousands of temporaries of a few MB (GPTQ sweeps, observers,
-fake-quantized activations) between long-lived ones (each layer's int8 weights, the next
-layer's float weights). glibc's defaults raise the mmap threshold as large blocks are
-freed, so freed activations pile up in the heap; a small fixed threshold gives everything
-back at once but page-faults every temporary. Measured on SmolLM2-135M, W8A8_DYNAMIC, 32
-paragraphs, 1 thread, streamed layers (peak RSS / wall time): glibc defaults 1.83 GB / 55 s
-(before streaming), 128 KiB threshold 1.14 GB / 83 s (31 s of it in the kernel), 32 MiB
-threshold 1.45 GB / 55 s, 32 MiB plus `trim()` after every layer: see benchmarks/README.
+The calibrator allocates thousands of temporaries of a few MB (GPTQ sweeps, observers)
+and, per layer, activations of tens of MB, between long-lived blocks (each layer's int8
+weights, the next layer's float weights). What glibc keeps of the freed memory is RSS;
+what it gives back page-faults when reused. Measured (SmolLM2-135M, W8A8_DYNAMIC, 128 wiki
+paragraphs = 13.6k tokens, 1 thread, streamed layers; wall time / peak RSS):
+
+    glibc defaults (adaptive mmap threshold), no trim      82 s / 1.77 GB (32 paragraphs: 1.83 GB)
+    128 KiB mmap threshold (32 paragraphs)                  83 s / 1.14 GB, 31 s of it page faults
+    256 MiB thresholds, no trim                             75 s / 2.01 GB
+    32 MiB mmap / 64 MiB trim threshold, trim per layer     91 s / 1.42 GB
+    the same, trim after every Linear group and layer       93 s / 1.20 GB   <- default
+
+ASCEND_QUANT_MALLOC_TRIM=0 skips the trims (faster, more memory); MALLOC_MMAP_THRESHOLD_ /
+MALLOC_TRIM_THRESHOLD_ in the environment replace the thresholds.
 """
 
 from __future__ import annotations
@@ -46,5 +52,5 @@ def trim() -> None:
     """Give free heap pages back to the system, also those between live blocks (glibc's
     malloc_trim releases every whole free page, not only the heap's top)."""
     libc = _libc()
-    if libc is not None:
+    if libc is not None and os.environ.get("ASCEND_QUANT_MALLOC_TRIM", "1") != "0":
         libc.malloc_trim(0)

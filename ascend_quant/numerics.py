@@ -194,6 +194,20 @@ def quantize_activation_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return quantize(x, scale, 8), scale
 
 
+def fake_quantize_activation_dynamic(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """`dequantize(*quantize_activation_dynamic(x))` in x's dtype, the same values bit for bit,
+    computed with in-place ops on one float32 copy (the calibrator runs it on every
+    activation), or on x itself with `in_place` (float32 x)."""
+    absmax = torch.maximum(x.amax(-1, keepdim=True), -x.amin(-1, keepdim=True))
+    scale = absmax_scale(absmax, INT8_MAX)
+    if in_place:
+        assert x.dtype == torch.float32, x.dtype
+        y = x.div_(scale)
+    else:
+        y = x.float() / scale
+    return y.round_().clamp_(INT8_MIN, INT8_MAX).mul_(scale).to(x.dtype)
+
+
 # -------------------------------------------------------------- W8A8 static tensors
 
 def deq_scale(input_scale: torch.Tensor, weight_scale_: torch.Tensor) -> torch.Tensor:

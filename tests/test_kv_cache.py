@@ -18,7 +18,8 @@ import torch
 
 from ascend_quant.runtime.kernels import npu_emulation
 from ascend_quant.runtime.kernels.npu import NpuC8PagedAttention
-from ascend_quant.runtime.paged import c8, native
+from ascend_quant import native
+from ascend_quant.runtime.paged import c8
 
 # ----------------------------------------------------------------------------- op level
 

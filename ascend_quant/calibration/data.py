@@ -95,10 +95,12 @@ def tokenize_samples(texts: list[str], tokenizer, num_samples: int, seq_len: int
     With `packing` the texts are shuffled (fixed seed), tokenized, concatenated with EOS
     between documents and cut into `seq_len` windows (every token valid). Without it, each
     text is one sample in file order, truncated to `seq_len`: one sample per row,
-    right-padded to the longest; with `share_rows` short samples are bin-packed several to
-    a row instead (position ids restart at each sample, so transformers gives every sample
-    its own causal block: the same computation as one row each, without most of the
-    padding). Raises DataError when the data cannot fill even one sample.
+    right-padded to the longest (padding not valid); with `share_rows` short samples are
+    bin-packed several to a row instead (position ids restart at each sample, so
+    transformers gives every sample its own causal block: the same computation as one row
+    each), and the few tokens of room left in a row are end-of-text tokens closing its last
+    sample, counted as real (then every statistic works on views, with no masked copies).
+    Raises DataError when the data cannot fill even one sample.
     """
     if not texts:
         raise DataError("the dataset has no text")
@@ -125,6 +127,8 @@ def tokenize_samples(texts: list[str], tokenizer, num_samples: int, seq_len: int
                 mask[i, at:at + len(d)] = True
                 positions[i, at:] = torch.arange(width - at)    # padding continues the last sample
                 at += len(d)
+            if share_rows:          # the room left: end-of-text tokens closing the row's last sample
+                mask[i, at:] = True
         return Samples(ids, mask, positions)
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)

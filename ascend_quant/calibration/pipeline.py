@@ -34,7 +34,7 @@ from ascend_quant.models.adapters import Adapter, LinearGroup, adapter_for
 from ascend_quant.schemes import SCHEMES
 
 # Tokens used for the per-Linear error report (a fixed subsample keeps it cheap).
-_ERROR_TOKENS = 1024
+_ERROR_TOKENS = 256
 
 
 class CalibrationError(Exception):
@@ -122,11 +122,29 @@ class LayerReport:
 
 # --------------------------------------------------------------------------- hooks
 
-def _fake_quant_activation(x: torch.Tensor, scheme: str, qlin: QuantizedLinear) -> torch.Tensor:
+def _stride(x: torch.Tensor, count: int) -> torch.Tensor:
+    """At most `count` rows of x, evenly strided (count 0: all of them, as a view)."""
+    if not count or x.shape[0] <= count:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, count).long()]
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in x: one reduction without a mask tensor (a NaN or Inf anywhere makes
+    the sum non-finite; activations are far too small to overflow a float32 sum)."""
+    return bool(torch.isfinite(x.sum()))
+
+
+def _fake_quant_activation(x: torch.Tensor, scheme: str, qlin: QuantizedLinear, in_place: bool = False
+                           ) -> torch.Tensor:
+    """x as the scheme's Linears compute with it (quantized, dequantized); `in_place`
+    (float32 x only) overwrites x with the same values."""
     info = SCHEMES[scheme]
     if info.activation_mode == "dynamic":
-        q, s = numerics.quantize_activation_dynamic(x)
-        return (q.float() * s).to(x.dtype)
+        return numerics.fake_quantize_activation_dynamic(x, in_place=in_place)
+    if info.activation_mode == "static" and qlin.running is None and in_place:
+        scale, offset = qlin.input_scale, qlin.input_offset
+        return x.div_(scale).round_().add_(offset).clamp_(numerics.INT8_MIN, numerics.INT8_MAX).sub_(offset).mul_(scale)
     if info.activation_mode == "static" and qlin.running is not None:
         scale, offset = qlin.running            # each sample with the range seen up to it
         return numerics.dequantize(numerics.quantize(x, scale, 8, offset=offset), scale, offset).to(x.dtype)
@@ -206,9 +224,14 @@ class _GroupQuantizer:
         if not quantized:
             return x
         flat = self._tokens(x)
-        if not torch.isfinite(flat).all():
+        if not _all_finite(flat):
             raise CalibrationError(f"NaN or Inf in the input of {self.prefix}.{self.group.linears[0]} "
                                    "(check the model's dtype and the calibration data)")
+        # The group's input has no other reader (adapters.LinearGroup), so when all members
+        # compute with one version of it, smoothing and fake quantization overwrite it in
+        # place instead of holding two more copies of the largest activation of the layer.
+        in_place = (group.private_input and x.dtype == torch.float32 and len(set(self.schemes.values())) == 1
+                    and recipe.activations.observer != "running")
         # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
         if self._smooths(quantized.values()):
             producer = self.layer.get_submodule(group.smooth_into)
@@ -218,8 +241,12 @@ class _GroupQuantizer:
             done = self.results.get(f"{self.prefix}.{group.smooth_into}")
             if done is not None:          # the producer is a Linear quantized earlier in this layer
                 done.scale_rows(s)
-            x = x / s.to(x.dtype)
-            flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
+            if in_place:
+                x.div_(s)
+                flat = self._tokens(x) if self.all_valid else flat.div_(s)
+            else:
+                x = x / s.to(x.dtype)
+                flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
         # 2. activation range (static W8A8): one for the whole group
         input_scale = input_offset = running = None
         if any(SCHEMES[s].activation_mode == "static" for s in quantized.values()):
@@ -246,11 +273,11 @@ class _GroupQuantizer:
             if scheme not in seen_flat:
                 # the input the members compute with: kept for the forward (unless msModelSlim's
                 # per-sample running ranges apply there), its real tokens feed the Hessian
-                full = _fake_quant_activation(x, scheme, probe)
+                sub_seen[scheme] = _fake_quant_activation(subsample, scheme, probe)
+                full = _fake_quant_activation(x, scheme, probe, in_place=in_place)
                 if running is None:
                     self.seen_by_scheme[scheme] = full
                 seen_flat[scheme] = self._tokens(full)
-                sub_seen[scheme] = _fake_quant_activation(subsample, scheme, probe)
             method = recipe.method_for(f"{self.prefix}.{name}")
             w = self.modules[name].weight.float()
             k = w.shape[1]
@@ -279,7 +306,9 @@ class _GroupQuantizer:
             g = recipe.gptq
             rows = [plans[n]["w"].shape[0] for n in names]
             fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
-            q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]), hessian(seen_flat[scheme]),
+            q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]),
+                                     hessian(_stride(seen_flat[scheme], g.hessian_tokens and
+                                                     max(g.hessian_tokens, 4 * seen_flat[scheme].shape[-1]))),
                                      SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
                                      g.mse_scales, scale=fixed)
             quantized_weights.update(zip(names, zip(q.split(rows), scale.split(rows))))
@@ -360,7 +389,7 @@ def _dispatch_kv_hook(module, key, value):
 
 @torch.no_grad()
 def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor,
-                         position_ids: torch.Tensor | None = None, load_layer=None) -> tuple[torch.Tensor, dict]:
+                         position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Run the model up to its first decoder layer: (hidden states [N, L, H], layer kwargs).
     `position_ids` that restart inside a row make transformers mask each sample off from the
     others (samples sharing a row)."""
@@ -385,19 +414,24 @@ def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor,
 @torch.no_grad()
 def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                    valid: torch.Tensor | None = None, release_weights: bool = False,
-                   position_ids: torch.Tensor | None = None, load_layer=None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
+                   position_ids: torch.Tensor | None = None, stream=None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
     """Quantize `model` in place (fake-quant weights, smoothed norms) layer by layer.
 
     `valid` [N, L] marks real tokens (False: right padding, excluded from every statistic).
     With `release_weights` each quantized Linear's float weight is dropped once its layer is
     done (the int8 copy is all the checkpoint needs): memory falls as calibration proceeds
-    instead of holding float and quantized weights side by side.
+    instead of holding float and quantized weights side by side. With a `stream`
+    (calibration/streaming.py) each layer's float weights are read just before it runs, and
+    the embeddings and head are dropped between the capture of the first layer's input and
+    the end. `position_ids` restarting inside a row separate samples that share it.
     Returns the quantized Linears by module name, the C8 scales by attention module name
     (k_scale, v_scale) and a report per layer.
     """
     adapter = adapter_for(model)
     install_attention_hook(model, _dispatch_kv_hook)
     x, kwargs = capture_layer_inputs(model, adapter, samples, position_ids)
+    if stream is not None:       # embeddings and head are not needed again until the checkpoint is written
+        stream.release_outer()
     if valid is None:
         valid = torch.ones(samples.shape, dtype=torch.bool)
     valid = valid.to(x.device)
@@ -407,8 +441,8 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     layers = adapter.layers(model)
     for i, layer in enumerate(layers):
         start = time.perf_counter()
-        if load_layer is not None:          # streamed: this layer's float weights arrive now
-            load_layer(i)
+        if stream is not None:              # streamed: this layer's float weights arrive now
+            stream.load_layer(i)
         prefix = f"{adapter.layers_path}.{i}"
         groups = [_GroupQuantizer(layer, g, prefix, recipe, results, valid) for g in adapter.groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
@@ -430,7 +464,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         if running and recipe.kv_cache:
             # msModelSlim's dynamic_cache unit: a second pass with the final ranges, observing K/V
             x, kvq = _final_pass(layer, attention, x_in, kwargs, results, prefix, recipe, valid)
-        if not torch.isfinite(x).all():
+        if not _all_finite(x):
             raise CalibrationError(f"NaN or Inf in the output of {prefix} after quantization")
         if kvq is not None:
             kv_scales[f"{prefix}.{adapter.attention}"] = (kvq.k_scale, kvq.v_scale)
@@ -449,6 +483,8 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         reports.append(report)
         if progress is not None:
             progress(report)
+    if stream is not None:
+        stream.reload_outer()
     return results, kv_scales, reports
 
 
@@ -515,7 +551,7 @@ class LoadedModel:
     model: torch.nn.Module
     source_dtype: torch.dtype
     local: Path                                   # the folder holding config and tokenizer
-    load_layer: object = None                     # callable(i): read layer i (streamed), or None
+    stream: object = None                         # a StreamedModel (layers read on demand), or None
 
 
 def load_model(model_id: str, device: str = "cpu", stream: bool = True) -> LoadedModel:
@@ -555,7 +591,7 @@ def load_model(model_id: str, device: str = "cpu", stream: bool = True) -> Loade
     if isinstance(source_dtype, str):
         source_dtype = getattr(torch, source_dtype)
     model.eval()
-    return LoadedModel(tokenizer, model, source_dtype, local, streamed.load_layer if streamed else None)
+    return LoadedModel(tokenizer, model, source_dtype, local, streamed)
 
 
 def _snapshot_dir(model_id: str) -> str:
@@ -601,7 +637,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     try:
         results, kv_scales, reports = quantize_model(model, samples.to(device), recipe, progress, valid,
                                                      release_weights=True, position_ids=position_ids.to(device),
-                                                     load_layer=loaded.load_layer)
+                                                     stream=loaded.stream)
     finally:
         if bar is not None:
             bar.close()

@@ -83,15 +83,15 @@ class StreamedModel:
         if missing:
             raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
         layers = self.adapter.layers_path + "."
-        self._load([n for n in needed if not n.startswith(layers)])
-        if self.tied and out_emb is not None:
-            out_emb.weight = model.get_input_embeddings().weight
+        self.outer_names = [n for n in needed if not n.startswith(layers)]
+        self._load(self.outer_names)
         self.layer_names: dict[int, list[str]] = defaultdict(list)
         for n in needed:
             if n.startswith(layers):
                 self.layer_names[int(n[len(layers):].split(".", 1)[0])].append(n)
 
     def _load(self, names: list[str]) -> None:
+        """Read `names` into the model (parameters or persistent buffers)."""
         for name, tensor in self.files.read(names, torch.float32, self.device).items():
             module_name, _, param = name.rpartition(".")
             module = self.model.get_submodule(module_name)
@@ -99,6 +99,27 @@ class StreamedModel:
                 module._parameters[param] = torch.nn.Parameter(tensor, requires_grad=False)
             else:
                 module._buffers[param] = tensor
+        self._tie()
+
+    def _tie(self) -> None:
+        out_emb = self.model.get_output_embeddings()
+        if self.tied and out_emb is not None:
+            out_emb.weight = self.model.get_input_embeddings().weight
+
+    def release_outer(self) -> None:
+        """Drop the embeddings, final norm and head while the layers are calibrated (the
+        calibrator needs them only before the first layer and when writing)."""
+        meta = {n: torch.nn.Parameter(torch.empty(self.model.get_parameter(n).shape, device="meta"),
+                                      requires_grad=False) for n in self.outer_names
+                if n in dict(self.model.named_parameters())}
+        for name, param in meta.items():
+            module_name, _, attr = name.rpartition(".")
+            self.model.get_submodule(module_name)._parameters[attr] = param
+        self._tie()
+
+    def reload_outer(self) -> None:
+        self._load(self.outer_names)
+        self._tie()
 
     def load_layer(self, index: int) -> None:
         """Read decoder layer `index`'s tensors (called just before the calibrator runs it)."""

@@ -23,6 +23,9 @@ class LinearGroup:
     linears: tuple[str, ...]       # paths relative to the decoder layer
     smooth_into: str | None        # module that absorbs 1/s: an RMSNorm (weight) or a Linear (rows)
     row_parallel: bool = False
+    # the input is read by this group only (a norm's output, the attention output, act * up),
+    # so the calibrator may transform it in place
+    private_input: bool = True
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ascend_quant.runtime.paged import native
+from ascend_quant import native
 
 IMPL_ENV = "ASCEND_QUANT_C8_ATTENTION"
 

@@ -1,0 +1,129 @@
+"""Build and load our C kernels on first use: the int8 paged KV cache (`c8_kernel.c`) and
+GPTQ's column sweep (`gptq_kernel.c`).
+
+Each library is compiled with the host C compiler (`cc -O3 -march=native -fopenmp`), a few
+seconds, into `$ASCEND_QUANT_KERNEL_CACHE` (default `~/.cache/ascend_quant/kernels`), named by
+a hash of the source, the flags and the CPU, and written atomically, so concurrent processes
+(vLLM's engine and workers, parallel tests) neither rebuild it nor see a half-written file. It
+links the OpenMP runtime torch already loaded (`libgomp.so.1`). Without a compiler `load()`
+returns None and callers use their torch implementation; `ASCEND_QUANT_NATIVE=0` forces that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+_i64, _i32, _p, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+
+def _cpu_tag() -> str:
+    try:
+        flags = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ASCEND_QUANT_KERNEL_CACHE", Path.home() / ".cache" / "ascend_quant" / "kernels"))
+
+
+class NativeLibrary:
+    """One C source built on first use; `load()` gives the ctypes library or None."""
+
+    def __init__(self, source: Path, signatures: dict[str, list], flags: list[str], libs: list[str],
+                 fast_math_fallback: bool = False):
+        self.source, self.signatures, self.flags, self.libs = source, signatures, flags, libs
+        self.fast_math_fallback = fast_math_fallback
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+        self.error: str | None = None
+
+    def library_path(self) -> Path:
+        h = hashlib.sha256(self.source.read_bytes() + " ".join(self.flags + self.libs).encode()
+                           + _cpu_tag().encode()).hexdigest()[:16]
+        return cache_dir() / f"{self.source.stem}-{h}.so"
+
+    def _build(self, dst: Path) -> None:
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if not cc:
+            raise RuntimeError("no C compiler (cc/gcc) on PATH")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst.parent)
+        os.close(fd)
+        try:
+            extra = ["-lmvec"] if self.fast_math_fallback else []
+            r = subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, *self.libs, *extra],
+                               capture_output=True, text=True)
+            if r.returncode != 0 and self.fast_math_fallback:      # no libmvec (non-glibc): scalar expf
+                r = subprocess.run([cc, *[f for f in self.flags if f != "-ffast-math"], str(self.source), "-o", tmp,
+                                    *self.libs], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+            os.replace(tmp, dst)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def load(self) -> ctypes.CDLL | None:
+        """The compiled kernels, building them if needed; None when unavailable (see `error`)."""
+        if os.environ.get("ASCEND_QUANT_NATIVE", "1") == "0":
+            return None
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if self._tried:
+                return self._lib
+            try:
+                path = self.library_path()
+                if not path.exists():
+                    self._build(path)
+                lib = ctypes.CDLL(str(path))
+                for name, args in self.signatures.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes = args
+                    fn.restype = None
+                self._lib = lib
+            except Exception as e:  # noqa: BLE001  (any failure means: use the torch path)
+                self.error = f"{type(e).__name__}: {e}"
+                logger.warning("ascend-quant: native %s unavailable (%s); using the torch implementation",
+                               self.source.stem, self.error)
+            self._tried = True
+        return self._lib
+
+
+C8 = NativeLibrary(
+    HERE / "c8_kernel.c",
+    {"c8_write": [_p, _i64, _p, _i64, _i32, _p, _i64, _p, _i64, _i64, _i32, _i32, _i32, _p, _p, _i32],
+     "c8_gather": [_p, _i64, _i64, _p, _i64, _i32, _i32, _i32, _p, _p],
+     "c8_attention": [_p, _i64, _i32, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32,
+                      _i32, _p, _i64, _i32, _p, _i32]},
+    ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"], ["-lm"], fast_math_fallback=True)
+
+# no -ffast-math: the sweep must round and accumulate exactly as written (IEEE, no reassociation)
+GPTQ = NativeLibrary(
+    HERE / "gptq_kernel.c",
+    {"gptq_sweep_block": [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _f32, _f32]},
+    ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"], ["-lm"])
+
+
+def load() -> ctypes.CDLL | None:
+    """The C8 paged-attention kernels (kept for the callers in runtime/paged)."""
+    return C8.load()
+
+
+def error() -> str | None:
+    return C8.error
