@@ -383,6 +383,12 @@ def prepare_data(model: Path, samples: int, tokens: int, seq_len: int, work: Pat
             "calib_sha256": hashlib.sha256(calib.read_bytes()).hexdigest()[:16]}
 
 
+def portable_paths(text: str) -> str:
+    """The results name paths relative to the repository (`./...`) or the home folder (`~/...`),
+    never this machine's absolute ones."""
+    return text.replace(str(ROOT), ".").replace(str(Path.home()), "~")
+
+
 # ------------------------------------------------------------------------------ one run
 def calibrate_cmd(tool: str, scheme: str, model: Path, out: Path, data: dict, args, threads: int,
                   work: Path) -> tuple[list[str], str | None]:
@@ -575,7 +581,7 @@ def main(argv=None) -> int:
     def save():
         RESULTS.mkdir(parents=True, exist_ok=True)
         tmp = json_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.write_text(portable_paths(json.dumps(report, indent=2)) + "\n")
         os.replace(tmp, json_path)
 
     evaluated: set[tuple[str, str]] = set()

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/report.py          # rewrites README.md between the markers
 
-Reads benchmarks/results/{calibration,runtime,kv_cache}.json (whichever exist; quick and
+Reads benchmarks/results/{calibration,runtime,runtime-e2e,weight_memory,kv_cache}.* (whichever exist; quick and
 ad-hoc runs are ignored) and replaces the text between `<!-- results:start -->` and
 `<!-- results:end -->` in README.md. Every number in that section comes from those files.
 """
@@ -33,7 +33,7 @@ def calibration_section(d: dict) -> list[str]:
            f"`{d['command']}` ({d['created'][:16]}; {d['data'].get('samples', s.get('samples'))} calibration "
            f"paragraphs, {d['data'].get('calib_tokens', '?')} tokens; perplexity on {s.get('eval_tokens')} held-out "
            f"tokens at context 512; float perplexity {fl:.4f}; {d['machine'].get('cpus', '?')} CPUs, load "
-           f"average at start {d['machine'].get('load_avg_at_start', ['?'])[0]:.1f}, other jobs running).", "",
+           f"average at start {d['machine'].get('load_avg_at_start', ['?'])[0]:.1f}).", "",
            "| scheme | tool | threads | wall s | peak RSS MB | checkpoint MB | perplexity | vs float |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["runs"]:
@@ -83,6 +83,7 @@ def build() -> str:
     if cal:
         lines += calibration_section(cal) + [""]
     lines += markdown_file_section("runtime", "Runtime kernels (CPU)") + [""]
+    lines += markdown_file_section("runtime-e2e", "vLLM end to end: tokens/s and weight memory per scheme") + [""]
     lines += markdown_file_section("weight_memory", "Weight memory of quantized Linears in vLLM") + [""]
     lines += markdown_file_section("kv_cache", "Int8 KV cache in vLLM (CPU)") + [""]
     return "\n".join(lines).rstrip() + "\n"

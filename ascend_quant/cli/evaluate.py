@@ -14,10 +14,12 @@ import click
 @click.option("--tokens", type=int, default=16384, show_default=True, help="Tokens to score.")
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--threads", type=int, default=None)
+@click.option("--vllm", "with_vllm", is_flag=True,
+              help="Also score the quantized checkpoint through vLLM (our `ascend` method, fp32) on the same windows.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--save/--no-save", default=True, show_default=True,
               help="Also write the result as eval_results.json into the checkpoint folder.")
-def eval_cmd(float_model, quantized, dataset, tokens, seq_len, threads, as_json, save):
+def eval_cmd(float_model, quantized, dataset, tokens, seq_len, threads, with_vllm, as_json, save):
     """Perplexity float vs quantized (exact reference arithmetic, no vLLM), and per-layer error."""
     import torch
 
@@ -28,7 +30,8 @@ def eval_cmd(float_model, quantized, dataset, tokens, seq_len, threads, as_json,
     if threads:
         torch.set_num_threads(threads)
     try:
-        result = evaluate(float_model or str(reference_model_dir()), quantized, dataset, tokens, seq_len)
+        result = evaluate(float_model or str(reference_model_dir()), quantized, dataset, tokens, seq_len,
+                          with_vllm)
     except (EvalError, DataError, AssetError, FloatingPointError) as e:
         raise click.ClickException(str(e)) from None
     if save:

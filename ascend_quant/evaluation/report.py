@@ -30,13 +30,19 @@ class EvalResult:
     quantized_ppl: float
     seconds: float
     layer_errors: list[float] = field(default_factory=list)   # relative hidden-state error after each layer
+    vllm_ppl: float | None = None   # the quantized checkpoint served by vLLM (`eval --vllm`)
 
     @property
     def delta(self) -> float:
         return self.quantized_ppl / self.float_ppl - 1.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "delta": self.delta}
+        d = {**asdict(self), "delta": self.delta}
+        if self.vllm_ppl is None:
+            del d["vllm_ppl"]
+        else:
+            d["vllm_vs_simulation"] = self.vllm_ppl / self.quantized_ppl - 1.0
+        return d
 
     def save(self, folder: str | os.PathLike) -> None:
         path = Path(folder) / RESULTS_FILE
@@ -63,7 +69,7 @@ def _layer_outputs(model, windows: torch.Tensor) -> list[torch.Tensor]:
 
 
 def evaluate(float_model: str, quantized: str, dataset: str | None = None, tokens: int = 16384,
-             seq_len: int = 512) -> EvalResult:
+             seq_len: int = 512, with_vllm: bool = False) -> EvalResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ascend_quant.calibration.data import eval_windows, load_texts
@@ -88,14 +94,21 @@ def evaluate(float_model: str, quantized: str, dataset: str | None = None, token
     probe = windows[:1]
     ref, got = _layer_outputs(fmodel, probe), _layer_outputs(qmodel, probe)
     errors = [((g - r).norm() / r.norm().clamp(min=1e-12)).item() for r, g in zip(ref, got)]
+    vppl = None
+    if with_vllm:           # the same windows through vLLM with our `ascend` method, fp32 like the simulation
+        from ascend_quant.evaluation.vllm_perplexity import vllm_perplexity
+        del fmodel, qmodel
+        vppl = vllm_perplexity(quantized, windows, quantization="ascend", dtype="float32")
     return EvalResult(float_model, quantized, dataset or "wiki (built-in, held-out split)",
-                      int(windows.numel()), seq_len, fppl, qppl, time.perf_counter() - start, errors)
+                      int(windows.numel()), seq_len, fppl, qppl, time.perf_counter() - start, errors, vppl)
 
 
 def format_result(r: EvalResult) -> str:
     lines = [f"perplexity on {r.tokens} tokens of {r.dataset} (context {r.seq_len}):",
              f"  float      {r.float_ppl:.4f}",
              f"  quantized  {r.quantized_ppl:.4f}  ({r.delta:+.2%})",
+             *([f"  vLLM       {r.vllm_ppl:.4f}  ({r.vllm_ppl / r.quantized_ppl - 1:+.2%} vs the simulation above)"]
+               if r.vllm_ppl is not None else []),
              "relative hidden-state error after each layer (first window):"]
     row = [f"{i}:{e:.4f}" for i, e in enumerate(r.layer_errors)]
     for i in range(0, len(row), 8):
