@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 
 import torch
 
@@ -58,6 +59,10 @@ def vllm_perplexity(model_dir=None, windows: torch.Tensor | None = None, *, llm=
 
         kwargs = dict(max_model_len=max(seq_len, int(windows.shape[1])) + 8, enforce_eager=True, seed=0,
                       enable_prefix_caching=False)
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # a fixed KV budget: vLLM's CPU default reserves 92% of RAM and refuses to start
+            # when other processes hold more than 8% of it
+            kwargs["kv_cache_memory_bytes"] = 1 << 30
         kwargs.update(llm_kwargs)
         llm = LLM(str(model_dir), **kwargs)
     try:
