@@ -128,9 +128,12 @@ def preset(scheme: str, group_size: int | None = None) -> Recipe:
     s = normalize_scheme(scheme)
     if s == "FLOAT":      # weights stay float: only the KV cache (with kv_cache set) is quantized
         return Recipe(s, method="minmax", kv_cache=KVCache())
-    # 8-bit: plain min-max scales before GPTQ (MSE clipping measured no better at 8 bits)
+    # W8A16: plain per-channel rounding. On SmolLM2-135M (128 wiki paragraphs, 16k held-out
+    # tokens) it scored -0.03% against float, GPTQ +0.23%: at 8 bits with weight-only
+    # quantization the error is too small for GPTQ's calibration fit to pay off.
     if s == "W8A16":
-        return Recipe(s, method="gptq", group_size=group_size or 0, gptq=GPTQ(mse_scales=False))
+        return Recipe(s, method="minmax", group_size=group_size or 0)
+    # 8-bit with activations: plain min-max scales before GPTQ (MSE clipping no better at 8 bits)
     if s == "W8A8_DYNAMIC":
         return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.8), gptq=GPTQ(mse_scales=False))
     if s == "W8A8":
