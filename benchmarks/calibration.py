@@ -108,7 +108,7 @@ SCHEMES: dict[str, dict] = {
     "w8a16": {
         "title": "W8A16",
         "ours": ["--scheme", "w8a16"],
-        "notes": {"ours": "preset (GPTQ, per channel)"},
+        "notes": {"ours": "preset (plain per-channel rounding; GPTQ before this commit)"},
     },
 }
 
