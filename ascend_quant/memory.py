@@ -3,13 +3,16 @@
 The calibrator allocates thousands of temporaries of a few MB (GPTQ sweeps, observers)
 and, per layer, activations of tens of MB, between long-lived blocks (each layer's int8
 weights, the next layer's float weights). What glibc keeps of the freed memory is RSS;
-what it gives back page-faults when reused. Measured (SmolLM2-135M, W8A8_DYNAMIC, 128 wiki
-paragraphs = 13.6k tokens, 1 thread, streamed layers; wall time / peak RSS):
+what it gives back page-faults when reused. Measured (SmolLM2-135M, W8A8_DYNAMIC, 1 thread;
+wall time / peak RSS):
 
-    glibc defaults (adaptive mmap threshold), no trim      82 s / 1.77 GB (32 paragraphs: 1.83 GB)
-    128 KiB mmap threshold (32 paragraphs)                  83 s / 1.14 GB, 31 s of it page faults
+    32 wiki paragraphs, whole model loaded (before layer streaming):
+    glibc defaults (adaptive mmap threshold)                55 s / 1.83 GB
+    128 KiB mmap threshold                                  83 s / 1.52 GB, 31 s of it in the kernel
+    128 wiki paragraphs (13.6k tokens), streamed layers:
     256 MiB thresholds, no trim                             75 s / 2.01 GB
-    32 MiB mmap / 64 MiB trim threshold, trim per layer     91 s / 1.42 GB
+    32 MiB mmap / 64 MiB trim threshold, no trim            82 s / 1.77 GB
+    the same, trim after every layer                        91 s / 1.42 GB
     the same, trim after every Linear group and layer       93 s / 1.20 GB   <- default
 
 ASCEND_QUANT_MALLOC_TRIM=0 skips the trims (faster, more memory); MALLOC_MMAP_THRESHOLD_ /

@@ -30,7 +30,7 @@ def _inverse_cholesky_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
 
     With J the reversal permutation, chol(J H J) = L gives H = R R^T for the upper
     triangular R = J L J, so U = R^-1: one factorization and one triangular inverse instead
-    of factor, invert, factor. At most three k x k float64 matrices live at once."""
+    of factor, invert, factor. At most two k x k float64 matrices live at once."""
     k = H.shape[0]
     flipped = H.flip(0, 1)                       # a copy: H itself is left alone
     diag = flipped.diagonal()
@@ -98,7 +98,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
         Err1 = torch.empty_like(W1)
         if lib is not None:          # the same sweep in C (native/gptq_kernel.c)
             lib.gptq_sweep_block(W1.data_ptr(), St[i1:i2].data_ptr(), Qt[i1:i2].data_ptr(), Err1.data_ptr(),
-                                 Hinv1.data_ptr(), None, i2 - i1, n, Hinv.stride(0), float(qmin), float(qmax))
+                                 Hinv1.data_ptr(), i2 - i1, n, Hinv.stride(0), float(qmin), float(qmax))
         else:
             inv_diag = (1.0 / torch.diagonal(Hinv1)).tolist()
             for i in range(i2 - i1):

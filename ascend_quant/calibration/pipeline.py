@@ -241,12 +241,8 @@ class _GroupQuantizer:
             done = self.results.get(f"{self.prefix}.{group.smooth_into}")
             if done is not None:          # the producer is a Linear quantized earlier in this layer
                 done.scale_rows(s)
-            if in_place:
-                x.div_(s)
-                flat = self._tokens(x) if self.all_valid else flat.div_(s)
-            else:
-                x = x / s.to(x.dtype)
-                flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
+            x = x.div_(s) if in_place else x / s.to(x.dtype)
+            flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
         # 2. activation range (static W8A8): one for the whole group
         input_scale = input_offset = running = None
         if any(SCHEMES[s].activation_mode == "static" for s in quantized.values()):

@@ -76,30 +76,32 @@ class StreamedModel:
         names = list(model.state_dict())
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         out_emb = model.get_output_embeddings()
-        self.tied_name = next((n for n, p in model.named_parameters(remove_duplicate=False)
-                               if out_emb is not None and p is out_emb.weight and n.startswith("lm_head")), None)
-        needed = [n for n in names if not (self.tied and n == self.tied_name)]
+        tied_name = next((n for n, p in model.named_parameters(remove_duplicate=False)
+                          if out_emb is not None and p is out_emb.weight and n.startswith("lm_head")), None)
+        needed = [n for n in names if not (self.tied and n == tied_name)]
         missing = [n for n in needed if n not in self.files.where]
         if missing:
             raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
         layers = self.adapter.layers_path + "."
         self.outer_names = [n for n in needed if not n.startswith(layers)]
-        self._load(self.outer_names)
         self.layer_names: dict[int, list[str]] = defaultdict(list)
         for n in needed:
             if n.startswith(layers):
                 self.layer_names[int(n[len(layers):].split(".", 1)[0])].append(n)
+        self.reload_outer()
+
+    def _set(self, name: str, tensor: torch.Tensor) -> None:
+        """Put `tensor` in the model under its state-dict name (parameter or buffer)."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[attr] = tensor
 
     def _load(self, names: list[str]) -> None:
-        """Read `names` into the model (parameters or persistent buffers)."""
         for name, tensor in self.files.read(names, torch.float32, self.device).items():
-            module_name, _, param = name.rpartition(".")
-            module = self.model.get_submodule(module_name)
-            if param in module._parameters:
-                module._parameters[param] = torch.nn.Parameter(tensor, requires_grad=False)
-            else:
-                module._buffers[param] = tensor
-        self._tie()
+            self._set(name, tensor)
 
     def _tie(self) -> None:
         out_emb = self.model.get_output_embeddings()
@@ -109,15 +111,14 @@ class StreamedModel:
     def release_outer(self) -> None:
         """Drop the embeddings, final norm and head while the layers are calibrated (the
         calibrator needs them only before the first layer and when writing)."""
-        meta = {n: torch.nn.Parameter(torch.empty(self.model.get_parameter(n).shape, device="meta"),
-                                      requires_grad=False) for n in self.outer_names
-                if n in dict(self.model.named_parameters())}
-        for name, param in meta.items():
-            module_name, _, attr = name.rpartition(".")
-            self.model.get_submodule(module_name)._parameters[attr] = param
+        params = dict(self.model.named_parameters())
+        for name in self.outer_names:
+            if name in params:
+                self._set(name, torch.empty(params[name].shape, device="meta"))
         self._tie()
 
     def reload_outer(self) -> None:
+        """Read the embeddings, final norm and head (again)."""
         self._load(self.outer_names)
         self._tie()
 

@@ -116,7 +116,7 @@ C8 = NativeLibrary(
 # no -ffast-math: the sweep must round and accumulate exactly as written (IEEE, no reassociation)
 GPTQ = NativeLibrary(
     HERE / "gptq_kernel.c",
-    {"gptq_sweep_block": [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _f32, _f32]},
+    {"gptq_sweep_block": [_p, _p, _p, _p, _p, _i64, _i64, _i64, _f32, _f32]},
     ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"], ["-lm"])
 
 

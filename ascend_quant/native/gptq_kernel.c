@@ -19,8 +19,7 @@
 #define CHUNK 64
 
 void gptq_sweep_block(float *w, const float *s, float *q, float *err, const float *hinv,
-                      const void *unused, int64_t b, int64_t n, int64_t ldh, float qmin, float qmax) {
-    (void)unused;
+                      int64_t b, int64_t n, int64_t ldh, float qmin, float qmax) {
     int64_t chunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
