@@ -418,6 +418,19 @@ def test_unknown_architecture(tmp_path, tiny, calib_jsonl):
     assert cfg["model_type"] == "qwen2"
 
 
+def test_corrupt_weights_are_one_line(tmp_path, tiny, calib_jsonl):
+    model = tmp_path / "cut"
+    shutil.copytree(tiny, model)
+    for f in model.iterdir():
+        f.chmod(0o644)
+    with open(model / "model.safetensors", "r+b") as f:
+        f.truncate(5000)
+    res = _run(["calibrate", str(model), "-o", str(tmp_path / "q"), "--dataset", calib_jsonl,
+                "--num-samples", "2", "--seq-len", "32"])
+    assert res.exit_code == 1 and "model.safetensors: cannot read the weights" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "q").exists()
+
+
 def test_nan_activations_stop_cleanly(tmp_path, tiny, calib_jsonl):
     model = tmp_path / "nan"
     shutil.copytree(tiny, model)

@@ -21,6 +21,23 @@ class StreamingUnavailable(Exception):
     """The folder cannot be streamed (no safetensors, names that differ from the modules)."""
 
 
+def _unreadable(path: Path, e: Exception):
+    """A weights file that cannot be read (truncated, corrupt): one line naming it."""
+    from ascend_quant.calibration.pipeline import CalibrationError
+
+    detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return CalibrationError(f"{path}: cannot read the weights ({detail})")
+
+
+def _open(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from None
+
+
 class WeightFiles:
     """Which safetensors file holds each tensor of a checkpoint folder."""
 
@@ -31,26 +48,27 @@ class WeightFiles:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.where = {name: folder / file for name, file in weight_map.items()}
         else:
-            from safetensors import safe_open
-
             self.where = {}
             for path in sorted(folder.glob("*.safetensors")):
-                with safe_open(str(path), "pt") as f:
+                with _open(path) as f:
                     self.where.update({name: path for name in f.keys()})
         if not self.where:
             raise StreamingUnavailable(f"{folder}: no safetensors weights")
 
     def read(self, names: list[str], dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             by_file[self.where[name]].append(name)
         out = {}
         for path, file_names in by_file.items():
-            with safe_open(str(path), "pt") as f:
+            with _open(path) as f:
                 for name in file_names:
-                    t = f.get_tensor(name)
+                    try:
+                        t = f.get_tensor(name)
+                    except (SafetensorError, OSError) as e:
+                        raise _unreadable(path, e) from None
                     # a copy of our own: the file's mapping closes with the handle
                     out[name] = t.to(device=device, dtype=dtype, copy=True)
         return out
