@@ -53,10 +53,12 @@ class KVObserver:
         if method == "msmodelslim":
             return numerics.absmax_scale(self.sample_max[-1], numerics.INT8_MAX)
         tokens = torch.cat(self._pending)                                   # [T, C]
+        buf = torch.empty_like(tokens)        # the rounding error, in place: one buffer for the grid
         best, best_err = None, None
         for r in _GRID:
             s = numerics.absmax_scale(self.absmax * r, numerics.INT8_MAX)
-            err = ((numerics.dequantize(numerics.quantize(tokens, s, 8), s) - tokens) ** 2).sum(0)
+            torch.div(tokens, s, out=buf).round_().clamp_(numerics.INT8_MIN, numerics.INT8_MAX)
+            err = buf.mul_(s).sub_(tokens).square_().sum(0)
             if best is None:
                 best, best_err = s, err
             else:
