@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
+from transformers import AutoTokenizer
 from safetensors.torch import load_file, save_file
 
 from ascend_quant import numerics
@@ -253,6 +254,71 @@ def test_streamed_model_matches_the_loaded_one(tiny):
     ids = torch.arange(3, 40).reshape(1, -1)
     with torch.no_grad():
         torch.testing.assert_close(streamed.model(ids).logits, full(ids).logits, rtol=0, atol=0)
+
+
+def test_alpha_search_finds_the_best_smoothing_of_its_candidates():
+    """search_alpha returns the candidate (or no smoothing) whose quantized product is
+    closest to the float one, judged independently here on all tokens and rows."""
+    from ascend_quant.calibration.smoothquant import search_alpha
+    x = _correlated_inputs(256, tokens=512)
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(1))
+    absmax = x.abs().amax(0)
+    fq_in = lambda t: numerics.fake_quantize_activation_dynamic(t)            # noqa: E731
+    fq_w = lambda t: numerics.dequantize(*numerics.quantize_weight(t, 4, 32))  # noqa: E731
+    alphas = [0.2, 0.5, 0.8]
+    errors = {}
+    for a in [None, *alphas]:
+        s = torch.ones(256) if a is None else smoothing_factors(absmax, [w], a)
+        errors[a] = (fq_in(x / s) @ fq_w(w * s).t() - x @ w.t()).square().sum().item()
+    best, s = search_alpha(x, absmax, [w], alphas, fq_in, fq_w)
+    assert best == min(errors, key=errors.get)
+    assert torch.equal(s, torch.ones(256) if best is None else smoothing_factors(absmax, [w], best))
+    # with outlier channels some smoothing beats none
+    assert best is not None and errors[best] < 0.9 * errors[None]
+
+
+def test_lean_mlp_computes_the_same_output(tiny):
+    """The calibrator's in-place gated MLP gives the module's own output, bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from ascend_quant.models.adapters import adapter_for, lean_mlp
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    layer = model.model.layers[0]
+    x = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = layer.mlp(x)
+        with lean_mlp(layer, adapter_for(model)):
+            got = layer.mlp(x)
+        assert "forward" not in vars(layer.mlp)          # restored
+    assert torch.equal(got, want)
+
+
+def test_streamed_calibration_reads_unchanged_tensors_back(tmp_path, tiny, calib_jsonl):
+    """A streamed calibration drops the float tensors a layer leaves unchanged once the layer
+    is done (and the embeddings for the whole loop); the writer reads them from the source
+    files again. The checkpoint holds the source's values bit for bit, the smoothed norms
+    their new values, and no float weight stays resident."""
+    from ascend_quant.calibration.streaming import StreamedModel
+    src = load_file(str(tiny / "model.safetensors"))
+    for scheme in ("float", "w8a8"):
+        rec = recipes.preset(scheme)
+        rec.kv_cache = recipes.KVCache()
+        out = tmp_path / scheme
+        pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+        assert verify(out).ok
+        got = load_file(str(out / "quant_model_weights.safetensors"))
+        same = [n for n in src if n in got and torch.equal(got[n], src[n])]
+        if scheme == "float":          # C8 only: every weight is the source's
+            assert sorted(same) == sorted(n for n in src if n in got) and len(same) >= len(src) - 1
+            assert "model.layers.0.self_attn.k_proj.kv_cache_scale" in got
+        else:                          # down_proj left in float and unsmoothed, the norms smoothed
+            assert "model.layers.1.mlp.down_proj.weight" in same
+            assert "model.embed_tokens.weight" in same
+            assert "model.layers.1.input_layernorm.weight" not in same
+    streamed = StreamedModel(tiny)
+    s = tokenize_samples(load_texts(calib_jsonl), AutoTokenizer.from_pretrained(tiny), 4, 64)
+    pipeline.quantize_model(streamed.model, s.ids, recipes.preset("float"), valid=s.valid,
+                            release_weights=True, position_ids=s.position_ids, stream=streamed)
+    assert all(p.is_meta for p in streamed.model.parameters())
 
 
 # ----------------------------------------------------------------- the pipeline

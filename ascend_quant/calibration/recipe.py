@@ -6,7 +6,7 @@ overrides matched with shell-style patterns on the module name:
     scheme: w8a8                  # w8a8, w8a8-dynamic, w8a16, w4a8, w4a16
     method: gptq                  # minmax or gptq
     group_size: 0
-    smoothquant: {alpha: 0.8, smooth_down: true}
+    smoothquant: {alpha: 0.8, smooth_down: true, alphas: [0.5, 0.7, 0.9]}   # alphas: searched per group
     activations: {observer: percentile, percentile: 99.99}
     gptq: {damp: 0.01, block_size: 128, act_order: true}
     kv_cache: {dtype: int8, method: mse}
@@ -30,6 +30,8 @@ from ascend_quant.calibration.kv import KV_METHODS
 from ascend_quant.schemes import CLI_NAMES, SCHEMES
 
 RECIPE_FILE = "ascend_quant_recipe.yaml"
+# SmoothQuant alphas the presets search per group (with "no smoothing")
+SEARCH_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 class RecipeError(Exception):
@@ -40,6 +42,9 @@ class RecipeError(Exception):
 class SmoothQuant:
     alpha: float = 0.5
     smooth_down: bool = True          # also smooth down_proj's input through up_proj's rows
+    # candidates searched per group of Linears (plus no smoothing): the one whose quantized
+    # output is closest to the float output on a token sample wins; empty: `alpha` everywhere
+    alphas: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -133,9 +138,13 @@ def preset(scheme: str, group_size: int | None = None) -> Recipe:
     # quantization the error is too small for GPTQ's calibration fit to pay off.
     if s == "W8A16":
         return Recipe(s, method="minmax", group_size=group_size or 0)
-    # 8-bit with activations: plain min-max scales before GPTQ (MSE clipping no better at 8 bits)
+    # W8A8_DYNAMIC: SmoothQuant with the alpha searched per group, then min-max weights. On
+    # SmolLM2-135M (128 wiki paragraphs, 16k held-out tokens): alpha 0.8 everywhere +1.34%,
+    # searched +0.85%; GPTQ on top +0.63% but 1.3x the time (`--method gptq`; plain min-max
+    # scales before GPTQ: MSE clipping is no better at 8 bits).
     if s == "W8A8_DYNAMIC":
-        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.8), gptq=GPTQ(mse_scales=False))
+        return Recipe(s, method="minmax", smoothquant=SmoothQuant(alpha=0.8, alphas=list(SEARCH_ALPHAS)),
+                      gptq=GPTQ(mse_scales=False))
     if s == "W8A8":
         # down_proj stays float: its input (silu(gate) * up) carries token outliers of several
         # hundred in late layers, which one per-tensor int8 range cannot hold; percentile
@@ -145,9 +154,11 @@ def preset(scheme: str, group_size: int | None = None) -> Recipe:
                       activations=Activations("mse"), ignore=["lm_head", "*.mlp.down_proj"])
     if s == "W4A16":
         return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size)
+    # W4A8: 4-bit weights take little of the activations' outliers: alpha 0.8 everywhere
+    # +30.1%, 0.5 +20.9%, none +23.5%, searched per group +18.4% (same data as above)
     if s == "W4A8_DYNAMIC":
         return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size,
-                      smoothquant=SmoothQuant(alpha=0.8))
+                      smoothquant=SmoothQuant(alpha=0.5, alphas=list(SEARCH_ALPHAS)))
     raise RecipeError(f"no preset for {scheme!r}")
 
 
@@ -219,5 +230,5 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: kv_cache.dtype must be int8")
     if recipe.group_size and SCHEMES[recipe.scheme].weight_bits == 8 and recipe.scheme != "W8A16":
         raise RecipeError(f"{where}: {recipe.scheme} is per-channel only; drop group_size")
-    if recipe.smoothquant and not 0.0 <= recipe.smoothquant.alpha <= 1.0:
-        raise RecipeError(f"{where}: smoothquant.alpha must be within [0, 1]")
+    if recipe.smoothquant and not all(0.0 <= a <= 1.0 for a in [recipe.smoothquant.alpha, *recipe.smoothquant.alphas]):
+        raise RecipeError(f"{where}: smoothquant.alpha and alphas must be within [0, 1]")

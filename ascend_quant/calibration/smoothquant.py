@@ -3,9 +3,16 @@
 `s[j] = max|X[:, j]|^alpha / max|W[:, j]|^(1 - alpha)`; the producer of X divides by s
 (an RMSNorm's weight and bias, or a Linear's output rows), the consumers multiply their
 input columns by s. The product is unchanged in exact arithmetic.
+
+One alpha for every layer is a compromise: attention inputs, MLP inputs and down_proj's
+input carry outliers of very different sizes. `search_alpha` picks, per group of Linears
+sharing an input, the alpha (or no smoothing) whose quantized product is closest to the
+float one on a sample of the calibration tokens.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import torch
 
@@ -13,9 +20,43 @@ import torch
 def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float,
                       eps: float = 1e-5) -> torch.Tensor:
     """act_absmax: [k]; weights: Linears [n_i, k] sharing the input. Returns s [k] (float32)."""
-    w_absmax = torch.stack([w.float().abs().amax(0) for w in weights]).amax(0)      # [k]
+    return _factors(act_absmax, _weight_absmax(weights), alpha, eps)
+
+
+def _weight_absmax(weights: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([w.float().abs().amax(0) for w in weights]).amax(0)      # [k]
+
+
+def _factors(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float, eps: float = 1e-5) -> torch.Tensor:
     s = act_absmax.float().clamp(min=eps).pow(alpha) / w_absmax.clamp(min=eps).pow(1 - alpha)
     return s.clamp(min=eps)
+
+
+@torch.no_grad()
+def search_alpha(x: torch.Tensor, act_absmax: torch.Tensor, weights: list[torch.Tensor],
+                 alphas: Sequence[float], quantize_input: Callable[[torch.Tensor], torch.Tensor],
+                 quantize_weight: Callable[[torch.Tensor], torch.Tensor]) -> tuple[float | None, torch.Tensor]:
+    """The smoothing of `alphas` (or none) with the smallest output error on tokens x [t, k].
+
+    The error of a candidate s is `||Qa(x / s) Qw(W * s)^T - x W^T||^2` summed over the
+    group's Linears (W stacked), with `quantize_input` / `quantize_weight` the scheme's
+    fake quantization (min-max weights: GPTQ, if it runs afterwards, only lowers the
+    weight part). Every output row counts: on SmolLM2-135M, judging on a stride of a
+    quarter of gate/up's rows cost 0.2 points of perplexity. Returns (alpha, s), alpha
+    None and s all ones when not smoothing wins.
+    """
+    w_absmax = _weight_absmax(weights)
+    w = torch.cat([m.detach().float() for m in weights])
+    ref = x @ w.t()
+    best: tuple[float, float | None, torch.Tensor] | None = None
+    ones = torch.ones_like(act_absmax, dtype=torch.float32)
+    for alpha in [None, *alphas]:
+        s = ones if alpha is None else _factors(act_absmax, w_absmax, alpha)
+        out = quantize_input(x / s) @ quantize_weight(w * s).t()
+        err = out.sub_(ref).square_().sum().item()
+        if best is None or err < best[0]:
+            best = (err, alpha, s)
+    return best[1], best[2]
 
 
 @torch.no_grad()

@@ -135,6 +135,13 @@ class StreamedModel:
                 self._set(name, torch.empty(params[name].shape, device="meta"))
         self._tie()
 
+    def release(self, names: list[str]) -> None:
+        """Drop these parameters (state-dict names), leaving meta tensors of their shape."""
+        params = dict(self.model.named_parameters())
+        for name in names:
+            if name in params and not params[name].is_meta:
+                self._set(name, torch.empty(params[name].shape, device="meta"))
+
     def reload_outer(self) -> None:
         """Read the embeddings, final norm and head (again)."""
         self._load(self.outer_names)

@@ -15,7 +15,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -278,13 +278,14 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
                      source_dir: str | os.PathLike | None = None, config: dict | None = None,
                      metadata: dict | None = None, max_shard_size: int | str = "5GB",
                      extra_files: Mapping[str, str | bytes] | None = None,
-                     overwrite: bool = False) -> Path:
+                     overwrite: bool = False, loader: Callable[[str], torch.Tensor] | None = None) -> Path:
     """Write a v1 checkpoint folder atomically.
 
     Everything is written into a temporary sibling folder that is renamed to `out` only
     when complete, so an interrupted run leaves no folder that looks whole. `source_dir`
     contributes config and tokenizer files (never weights); `config` replaces config.json.
-    `extra_files` are written verbatim (e.g. the recipe, the model card).
+    `extra_files` are written verbatim (e.g. the recipe, the model card). Meta tensors are
+    placeholders: `loader(name)` gives their values when their turn to be written comes.
     """
     out = Path(out)
     missing = set(tensors) - set(description)
@@ -296,13 +297,14 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
     files = {DESCRIPTION_NAME: json.dumps(desc, indent=2) + "\n", **(extra_files or {})}
     return write_weights_folder(out, tensors, filename_pattern="quant_model_weights{suffix}.safetensors",
                                 source_dir=source_dir, config=config, extra_files=files,
-                                max_shard_size=max_shard_size, overwrite=overwrite)
+                                max_shard_size=max_shard_size, overwrite=overwrite, loader=loader)
 
 
 def write_weights_folder(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor], *, filename_pattern: str,
                          source_dir: str | os.PathLike | None = None, config: dict | None = None,
                          extra_files: Mapping[str, str | bytes] | None = None, max_shard_size: int | str = "5GB",
-                         overwrite: bool = False, file_metadata: dict[str, str] | None = None) -> Path:
+                         overwrite: bool = False, file_metadata: dict[str, str] | None = None,
+                         loader: Callable[[str], torch.Tensor] | None = None) -> Path:
     """Write a model folder atomically: config/tokenizer files from `source_dir` (never weights),
     `config` as config.json, the tensors as safetensors shards named by `filename_pattern`
     (with an index when sharded), and `extra_files` verbatim; all into a temporary sibling
@@ -322,11 +324,11 @@ def write_weights_folder(out: str | os.PathLike, tensors: Mapping[str, torch.Ten
                     shutil.copy2(src, tmp / name)
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = _unshared({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        state = _unshared({k: v if v.is_meta else v.detach().contiguous().cpu() for k, v in tensors.items()})
         split = split_torch_state_dict_into_shards(state, filename_pattern=filename_pattern,
                                                    max_shard_size=max_shard_size)
         for filename, names in split.filename_to_tensors.items():
-            save_file({k: state[k] for k in names}, str(tmp / filename), metadata=file_metadata)
+            save_file({k: state[k] for k in names}, str(tmp / filename), metadata=file_metadata, loader=loader)
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             index_name = filename_pattern.format(suffix="") + ".index.json"
@@ -347,12 +349,14 @@ _DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"
                 torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def save_file(tensors: Mapping[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
+def save_file(tensors: Mapping[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None,
+              loader: Callable[[str], torch.Tensor] | None = None) -> None:
     """Write a safetensors file tensor by tensor (the format: 8-byte little-endian header
     length, a JSON header of dtype/shape/offsets, then the raw data). Unlike
     safetensors.torch.save_file it never holds a serialized copy of the whole file in
     memory, which sets the calibrator's peak memory otherwise. Largest itemsize first, so
-    every tensor starts aligned."""
+    every tensor starts aligned. A meta tensor is read through `loader(name)` just before
+    it is written (and must come back with the placeholder's dtype and shape)."""
     names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict = {}
     offset = 0
@@ -369,7 +373,16 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: str, metadata: dict
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for name in names:
-            t = tensors[name].detach().contiguous().cpu()
+            t = tensors[name]
+            if t.is_meta:
+                if loader is None:
+                    raise ValueError(f"{name}: a placeholder (meta) tensor and no loader to read it")
+                value = loader(name)
+                if value.dtype != t.dtype or value.shape != t.shape:
+                    raise ValueError(f"{name}: read {value.dtype} {tuple(value.shape)}, "
+                                     f"expected {t.dtype} {tuple(t.shape)}")
+                t = value
+            t = t.detach().contiguous().cpu()
             if t.numel():
                 f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
 
@@ -379,7 +392,7 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, int]] = set()
     out = {}
     for k, v in state.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else (id(v), 0)
+        key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() and not v.is_meta else (id(v), 0)
         out[k] = v.clone() if key in seen else v
         seen.add(key)
     return out

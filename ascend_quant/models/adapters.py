@@ -8,6 +8,7 @@ what SmoothQuant folds its factors into.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ class Adapter:
     model_types: tuple[str, ...]
     layers_path: str = "model.layers"
     attention: str = "self_attn"
+    mlp: str = "mlp"                  # gate_proj, up_proj, down_proj: down(act(gate(x)) * up(x))
     groups: tuple[LinearGroup, ...] = (
         LinearGroup("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
         LinearGroup("o", ("self_attn.o_proj",), None, row_parallel=True),
@@ -45,6 +47,32 @@ class Adapter:
 
     def linear_names(self) -> list[str]:
         return [name for g in self.groups for name in g.linears]
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+@contextlib.contextmanager
+def lean_mlp(layer: torch.nn.Module, adapter: Adapter):
+    """Within the block the layer's gated SiLU MLP computes `down(silu(gate(x)) * up(x))` with
+    the activation and the product formed in gate's output: one [tokens, intermediate]
+    buffer less at the calibrator's peak (85 MB on SmolLM2-135M's 13.8k tokens), the same
+    values. Other MLPs run as they are."""
+    mlp = layer.get_submodule(adapter.mlp)
+    if not (_is_silu(getattr(mlp, "act_fn", None)) and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))):
+        yield
+        return
+
+    def forward(x):
+        h = torch.nn.functional.silu(mlp.gate_proj(x), inplace=True)
+        return mlp.down_proj(h.mul_(mlp.up_proj(x)))
+
+    mlp.forward = forward
+    try:
+        yield
+    finally:
+        del mlp.forward
 
 
 LLAMA_LIKE = Adapter(model_types=("llama", "mistral", "qwen2", "qwen3"))
