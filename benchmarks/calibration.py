@@ -68,7 +68,7 @@ SCHEMES: dict[str, dict] = {
         "msmodelslim": "w8a8_dynamic",
         "llmcompressor": "w8a8_dynamic",
         "notes": {
-            "ours": "preset (SmoothQuant 0.8 + GPTQ, per-token dynamic activations)",
+            "ours": "preset (SmoothQuant alpha searched per group + min-max, per-token dynamic activations)",
             "msmodelslim": "smooth_quant alpha 0.8 + linear_quant minmax, act per_token",
             "llmcompressor": "SmoothQuantModifier 0.8 + GPTQModifier W8A8 (int8 channel, dynamic per-token)",
         },
@@ -103,12 +103,12 @@ SCHEMES: dict[str, dict] = {
     "w4a8-g64": {
         "title": "W4A8_DYNAMIC group 64",
         "ours": ["--scheme", "w4a8", "--group-size", "64"],
-        "notes": {"ours": "preset (SmoothQuant 0.8 + GPTQ, two-stage group 64)"},
+        "notes": {"ours": "preset (SmoothQuant alpha searched per group + GPTQ, two-stage group 64)"},
     },
     "w8a16": {
         "title": "W8A16",
         "ours": ["--scheme", "w8a16"],
-        "notes": {"ours": "preset (plain per-channel rounding; GPTQ before this commit)"},
+        "notes": {"ours": "preset (plain per-channel rounding)"},
     },
 }
 
