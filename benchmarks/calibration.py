@@ -68,7 +68,7 @@ SCHEMES: dict[str, dict] = {
         "msmodelslim": "w8a8_dynamic",
         "llmcompressor": "w8a8_dynamic",
         "notes": {
-            "ours": "preset (SmoothQuant alpha searched per group + min-max, per-token dynamic activations)",
+            "ours": "preset (SmoothQuant alpha 0.8 q/k/v, 0.9 gate/up, 0.5 down + min-max, per-token dynamic activations)",
             "msmodelslim": "smooth_quant alpha 0.8 + linear_quant minmax, act per_token",
             "llmcompressor": "SmoothQuantModifier 0.8 + GPTQModifier W8A8 (int8 channel, dynamic per-token)",
         },

@@ -110,10 +110,12 @@ def test_kv_methods():
 
 def test_recipe_yaml_round_trip_and_overrides(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text("scheme: w8a8\nmethod: minmax\nsmoothquant: {alpha: 0.7}\nignore: ['*.down_proj']\n"
+    path.write_text("scheme: w8a8\nmethod: minmax\nsmoothquant: {alpha: 0.7, alphas: [0.5, 0.9], group_alpha: {down: 0.4}}\n"
+                    "ignore: ['*.down_proj']\n"
                     "kv_cache: {method: absmax}\noverrides:\n  - {match: 'model.layers.0.*', scheme: w8a16}\n")
     r = recipes.load_recipe(path)
     assert r.scheme == "W8A8" and r.smoothquant.alpha == 0.7 and r.kv_cache.method == "absmax"
+    assert r.smoothquant.alphas == [0.5, 0.9] and r.smoothquant.group_alpha == {"down": 0.4}
     assert r.scheme_for("model.layers.3.mlp.down_proj") == "FLOAT"
     assert r.scheme_for("model.layers.0.self_attn.q_proj") == "W8A16"
     assert r.scheme_for("model.layers.1.self_attn.q_proj") == "W8A8"
@@ -126,6 +128,8 @@ def test_recipe_yaml_round_trip_and_overrides(tmp_path):
     ("scheme: w3a3\n", "unknown scheme"),
     ("scheme: w8a8\nmethod: awq\n", "method must be minmax or gptq"),
     ("scheme: w8a8\nsmoothquant: {beta: 1}\n", "unknown key"),
+    ("scheme: w8a8\nsmoothquant: {alphas: [0.5, 1.5]}\n", "within"),
+    ("scheme: w8a8\nsmoothquant: {group_alpha: {mlp: 0.5}}\n", "unknown group"),
     ("scheme: w8a8\ncolour: red\n", "unknown key 'colour'"),
     ("- just a list\n", "mapping"),
     ("scheme: [\n", "not valid YAML"),
@@ -275,6 +279,22 @@ def test_alpha_search_finds_the_best_smoothing_of_its_candidates():
     assert torch.equal(s, torch.ones(256) if best is None else smoothing_factors(absmax, [w], best))
     # with outlier channels some smoothing beats none
     assert best is not None and errors[best] < 0.9 * errors[None]
+
+
+def test_smoothing_alphas_per_group_are_applied_and_recorded(tmp_path, tiny, calib_jsonl):
+    """group_alpha fixes a group's alpha, the other groups search `alphas` (or no
+    smoothing); the calibration record lists what each layer got."""
+    rec = recipes.preset("w8a8-dynamic")
+    rec.smoothquant = recipes.SmoothQuant(alpha=0.8, alphas=[0.5, 0.9], group_alpha={"down": 0.3})
+    out = tmp_path / "out"
+    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    layers = json.loads((out / "ascend_quant_calibration.json").read_text())["layers"]
+    for layer in layers:
+        chosen = layer["smoothquant_alphas"]
+        assert set(chosen) == {"qkv", "gate_up", "down"}          # o has no producer to smooth into
+        assert chosen["down"] == 0.3
+        assert chosen["qkv"] in (None, 0.5, 0.9) and chosen["gate_up"] in (None, 0.5, 0.9)
+    assert verify(out).ok
 
 
 def test_lean_mlp_computes_the_same_output(tiny):

@@ -226,14 +226,15 @@ class _GroupQuantizer:
         return sq.smooth_down or not isinstance(self.layer.get_submodule(producer), torch.nn.Linear)
 
     def _smoothing(self, flat: torch.Tensor, quantized: dict[str, str]) -> torch.Tensor | None:
-        """The group's smoothing factors: the recipe's alpha, or the best of its `alphas`
-        on a token sample (None: not smoothing is best). Records the alpha in `self.alpha`."""
+        """The group's smoothing factors: the recipe's alpha for this group (`group_alpha`),
+        else the best of its `alphas` on a token sample (None: not smoothing is best), else
+        its `alpha`. Records the alpha in `self.alpha`."""
         sq = self.recipe.smoothquant
         act_absmax = torch.maximum(flat.amax(0), -flat.amin(0))
         weights = [self.modules[n].weight for n in quantized]
-        if not sq.alphas:
-            self.alpha = sq.alpha
-            return smoothing_factors(act_absmax, [m.weight for m in self.modules.values()], sq.alpha)
+        if self.group.name in sq.group_alpha or not sq.alphas:
+            self.alpha = sq.group_alpha.get(self.group.name, sq.alpha)
+            return smoothing_factors(act_absmax, [m.weight for m in self.modules.values()], self.alpha)
         scheme = next(s for s in quantized.values() if SCHEMES[s].activation_bits is not None)
         info = SCHEMES[scheme]
         gs = self.recipe.group_size if info.weight_bits == 4 else 0
