@@ -128,11 +128,8 @@ class StreamedModel:
 
     def release_outer(self) -> None:
         """Drop the embeddings, final norm and head while the layers are calibrated (the
-        calibrator needs them only before the first layer and when writing)."""
-        params = dict(self.model.named_parameters())
-        for name in self.outer_names:
-            if name in params:
-                self._set(name, torch.empty(params[name].shape, device="meta"))
+        calibrator needs them only before the first layer; the writer reads them again)."""
+        self.release(self.outer_names)
         self._tie()
 
     def release(self, names: list[str]) -> None:

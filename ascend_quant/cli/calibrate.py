@@ -24,7 +24,7 @@ from ascend_quant.schemes import CLI_NAMES
 @click.option("--no-packing", is_flag=True, help="One sample per text (truncated, padded) instead of packed windows.")
 @click.option("--chat-template", is_flag=True, help="Wrap each text in the tokenizer's chat template.")
 @click.option("--ignore", multiple=True, help="Module name pattern left in float (repeatable), e.g. '*.down_proj'.")
-@click.option("--smoothquant-alpha", type=float, default=None, help="One SmoothQuant alpha for every group (0 disables smoothing); the w8a8-dynamic and w4a8 presets search it per group.")
+@click.option("--smoothquant-alpha", type=float, default=None, help="One SmoothQuant alpha for every group (0 disables smoothing); replaces the presets' per-group alphas (w8a8-dynamic: fixed per group; w4a8: searched).")
 @click.option("--method", type=click.Choice(["minmax", "gptq"]), default=None, help="Weight rounding algorithm.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
