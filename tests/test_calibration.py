@@ -341,6 +341,35 @@ def test_streamed_calibration_reads_unchanged_tensors_back(tmp_path, tiny, calib
     assert all(p.is_meta for p in streamed.model.parameters())
 
 
+def test_group_inputs_are_let_go_once_every_member_has_them(tiny, calib_jsonl):
+    """Each group's input is freed as soon as the layer's forward drops it: when down_proj's
+    weights are quantized (the calibrator's peak), the inputs of q/k/v and o_proj of the same
+    layer, and down_proj's input of the layer before, are gone."""
+    import weakref
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    s = tokenize_samples(load_texts(calib_jsonl), AutoTokenizer.from_pretrained(tiny), 4, 64)
+    inputs: dict[str, weakref.ref] = {}
+    alive_at_down: list[list[str]] = []
+
+    def keep(name):
+        def hook(module, args):
+            inputs[name] = weakref.ref(args[0])
+        return hook
+
+    def check(module, args):
+        alive_at_down.append(sorted(n for n, ref in inputs.items() if ref() is not None))
+        inputs["down_proj"] = weakref.ref(args[0])
+
+    for layer in model.model.layers:          # registered first: these run before the calibrator's
+        layer.self_attn.q_proj.register_forward_pre_hook(keep("q_proj"))
+        layer.self_attn.o_proj.register_forward_pre_hook(keep("o_proj"))
+        layer.mlp.down_proj.register_forward_pre_hook(check)
+    rec = recipes.preset("w4a16")
+    rec.group_size = 32
+    pipeline.quantize_model(model, s.ids, rec, valid=s.valid, position_ids=s.position_ids)
+    assert alive_at_down == [[]] * len(model.model.layers)
+
 # ----------------------------------------------------------------- the pipeline
 
 SCHEME_CASES = [

@@ -175,19 +175,28 @@ class _GroupQuantizer:
         self.source: torch.Tensor | None = None     # the input as it arrived
         self.transformed: torch.Tensor | None = None
         self.seen_by_scheme: dict[str, torch.Tensor] = {}
+        self.fed: set[torch.nn.Module] = set()     # members whose input has been handed over
         self.alpha: float | None = None            # the smoothing applied (None: none)
         self.smoothed = False
         self.touched: set[str] = set()             # modules (layer-relative) whose weights changed
 
     def pre_hook(self, module, args):
         x = args[0]
-        if self.source is not None and x is self.source:
-            return (self._activation_for(module, self.transformed),)
-        if self.source is not None:
+        if module in self.fed or (self.source is None and self.fed):
             raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
-        self.source = x
-        self.transformed = self._quantize(x)
-        return (self._activation_for(module, self.transformed),)
+        if self.source is None:
+            self.source = x
+            self.transformed = self._quantize(x)
+        elif x is not self.source:
+            raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
+        seen = self._activation_for(module, self.transformed)
+        self.fed.add(module)
+        if len(self.fed) == len(self.modules):
+            # every member has its input: let go of the activations, so that they are freed
+            # as soon as the layer's forward drops them (not held to the layer's end)
+            self.source = self.transformed = None
+            self.seen_by_scheme.clear()
+        return (seen,)
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         """[real tokens, k]: a view when there is no padding."""
@@ -515,18 +524,24 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
             stream.release([f"{prefix}.{n}" for n, _ in layer.named_parameters()
                             if n.rpartition(".")[0] not in touched and f"{prefix}.{n.rpartition('.')[0]}" not in results])
         memory.trim()                       # this layer's temporaries, back to the system
-        report = LayerReport(i, time.perf_counter() - start)
-        for gq in groups:
-            for name, scheme in gq.schemes.items():
-                report.schemes[name] = scheme
-                if scheme != "FLOAT":
-                    report.errors[name] = results[f"{prefix}.{name}"].error
-            if gq.smoothed:
-                report.alphas[gq.group.name] = gq.alpha
+        report = _layer_report(i, time.perf_counter() - start, groups, results, prefix)
         reports.append(report)
         if progress is not None:
             progress(report)
     return results, kv_scales, reports
+
+
+def _layer_report(index: int, seconds: float, groups: list[_GroupQuantizer], results: dict[str, QuantizedLinear],
+                  prefix: str) -> LayerReport:
+    report = LayerReport(index, seconds)
+    for gq in groups:
+        for name, scheme in gq.schemes.items():
+            report.schemes[name] = scheme
+            if scheme != "FLOAT":
+                report.errors[name] = results[f"{prefix}.{name}"].error
+        if gq.smoothed:
+            report.alphas[gq.group.name] = gq.alpha
+    return report
 
 
 def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
