@@ -477,7 +477,7 @@ def parse_args(argv=None):
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     p.add_argument("--threads", default="1,2", help="comma list of thread counts (every tool runs at each)")
     p.add_argument("--samples", type=int, default=128, help="calibration paragraphs")
-    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens scored for perplexity")
+    p.add_argument("--tokens", type=int, default=32768, help="held-out tokens scored for perplexity")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--model", default=None, help="float model folder (default: the embedded reference model)")
     p.add_argument("--skip-install", action="store_true", help="use the venvs under benchmarks/.venvs as they are")
