@@ -182,13 +182,11 @@ class _GroupQuantizer:
 
     def pre_hook(self, module, args):
         x = args[0]
-        if module in self.fed or (self.source is None and self.fed):
+        if module in self.fed or (self.fed and x is not self.source):
             raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
-        if self.source is None:
+        if not self.fed:
             self.source = x
             self.transformed = self._quantize(x)
-        elif x is not self.source:
-            raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
         seen = self._activation_for(module, self.transformed)
         self.fed.add(module)
         if len(self.fed) == len(self.modules):
@@ -712,8 +710,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                               "errors": r.errors, "smoothquant_alphas": r.alphas} for r in reports]}, indent=2)}
     files.update(extra_files or {})
-    files["README.md"] = _card_for(types, group_size_for(recipe, results), meta, files)
     group_size = group_size_for(recipe, results)
+    files["README.md"] = _card_for(types, group_size, meta, files)
     loader = None
     if loaded.stream is not None:
         def loader(name: str) -> torch.Tensor:
