@@ -2,6 +2,8 @@
 
 Each problem is one line naming the file and the tensor or key. Checks that need
 config.json are skipped, with a note, where the folder has none (msModelSlim's v0 outputs).
+Headers are checked first (names, dtypes, shapes), then the values of every tensor that can
+hold a bad one (`formats.checks`: scales, offsets, float tensors), read one at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import Checkpoint, CheckpointError, TensorInfo, read_checkpoint
+from ascend_quant.formats.checks import checkpoint_value_problems
 from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
 from ascend_quant.schemes import SCHEMES, W4A8_GROUP_TENSORS
 
@@ -79,6 +82,7 @@ def verify(path: str | Path) -> Report:
         report.problems.append(str(e))
         return report
     _check_files(ckpt, report)
+    _check_index(ckpt, report)
     _check_keys(ckpt, report)
     modules = ckpt.modules()
     for prefix, mod in modules.items():
@@ -88,6 +92,7 @@ def verify(path: str | Path) -> Report:
     _check_layers_complete(ckpt, report)
     _check_fused(ckpt, report)
     _check_kv(ckpt, report)
+    report.problems.extend(checkpoint_value_problems(ckpt))
     return report
 
 
@@ -112,6 +117,23 @@ def _check_files(ckpt: Checkpoint, report: Report) -> None:
     if ckpt.layout == "v0":
         report.notes.append("v0 weight file names (quant_model_weight_<type>.safetensors): vLLM loads "
                             "them, but `ascend-quant convert` writes the v1 names")
+
+
+def _check_index(ckpt: Checkpoint, report: Report) -> None:
+    """The shard index agrees with the shards' headers: vLLM loads only the files it names,
+    and other tools look tensors up in it."""
+    if ckpt.index_file is None:
+        return
+    index = ckpt.index_file.name
+    for name, shard in ckpt.weight_map.items():
+        holder = ckpt.tensor_files.get(name)
+        if holder is None:
+            report.problems.append(f"{index}: weight_map lists {name!r} (in {shard}), which no shard holds")
+        elif holder.name != shard:
+            report.problems.append(f"{index}: weight_map puts {name!r} in {shard}, but {holder.name} holds it")
+    for name, file in ckpt.tensor_files.items():
+        if name not in ckpt.weight_map:
+            report.problems.append(f"{index}: {name!r} (in {file.name}) is missing from weight_map")
 
 
 def _check_keys(ckpt: Checkpoint, report: Report) -> None:
@@ -146,12 +168,16 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) ->
         report.problems.append(f"{fname}: {prefix}.weight of {scheme} must be 2-D, is {list(weight.shape)}")
         return
     packed = SCHEMES[scheme].weight_bits == 4
-    n, k = (weight.shape[0] * 2 if packed else weight.shape[0]), weight.shape[1]
+    scale_info = _info(ckpt, f"{prefix}.weight_scale")
+    n, k = _out_features(weight, scale_info, packed), weight.shape[1]
+    if packed and (n % 2 or tuple(weight.shape) != (n // 2, k)):
+        report.problems.append(f"{fname}: {prefix}.weight holds packed int4 {list(weight.shape)}, but weight_scale "
+                               f"says {n} out-features, so it must be [{n // 2}, {k}] (two int4 per byte along n)")
     group_size = ckpt.group_size
     groups = 1
-    scale_info = _info(ckpt, f"{prefix}.weight_scale")
-    if scheme == "W4A16" or (scheme == "W8A16" and scale_info is not None and scale_info.shape[-1] != 1):
-        groups = scale_info.shape[-1] if scale_info is not None else 1
+    scale_groups = scale_info.shape[-1] if scale_info is not None and scale_info.shape else 1
+    if scheme == "W4A16" or (scheme == "W8A16" and scale_groups != 1):
+        groups = scale_groups
     two_stage = scheme == "W4A8_DYNAMIC" and _info(ckpt, f"{prefix}.weight_scale_second") is not None
     if two_stage:
         groups = k // group_size if group_size and k % group_size == 0 else -1
@@ -163,6 +189,8 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) ->
         name = f"{prefix}.{suffix}"
         if suffix in W4A8_GROUP_TENSORS and not two_stage:
             continue
+        if suffix == "weight" and packed:
+            shape_rule = lambda n, k, g: tuple(weight.shape)   # noqa: E731 (checked above, in one line)
         info = _info(ckpt, name)
         if info is None:
             report.problems.append(f"{fname}: {scheme} layer {prefix} has no {suffix!r} tensor")
@@ -196,6 +224,14 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) ->
         _check_deq_dtype(ckpt, prefix, report)
 
 
+def _out_features(weight: TensorInfo, scale: TensorInfo | None, packed: bool) -> int:
+    """n of a Linear: rows of its int8 weight; for packed int4, rows of weight_scale (one per
+    output channel, unpacked), so that a packed weight of the wrong shape is the one named."""
+    if not packed:
+        return weight.shape[0]
+    return scale.shape[0] if scale is not None and scale.shape else weight.shape[0] * 2
+
+
 def _check_deq_dtype(ckpt: Checkpoint, prefix: str, report: Report) -> None:
     name = f"{prefix}.deq_scale"
     info = _info(ckpt, name)
@@ -219,20 +255,25 @@ def _numel(shape) -> int:
 
 def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
     """Every decoder layer has the same Linear `.weight` keys (a missing one is a KeyError)."""
-    by_layer: dict[int, set[str]] = {}
+    by_layer: dict[int, set[tuple[str, str]]] = {}     # layer -> (text before, after ".layers.i.")
     for name in ckpt.description:
         m = _LAYER_RE.search(name)
         if m and name.endswith(".weight"):
-            by_layer.setdefault(int(m.group(1)), set()).add(_LAYER_RE.sub(".layers.{}.", name, count=1))
-    if ckpt.config and "num_hidden_layers" in ckpt.config:
-        expected_layers = range(int(ckpt.config["num_hidden_layers"]))
-    else:
-        expected_layers = range(max(by_layer) + 1) if by_layer else range(0)
+            by_layer.setdefault(int(m.group(1)), set()).add((name[:m.start()], name[m.end():]))
+    n_layers = (ckpt.config or {}).get("num_hidden_layers")
+    if not isinstance(n_layers, int):
+        n_layers = max(by_layer) + 1 if by_layer else 0
     union = set().union(*by_layer.values()) if by_layer else set()
-    for i in expected_layers:
-        for pattern in sorted(union - by_layer.get(i, set())):
-            report.problems.append(f"{ckpt.description_file.name}: layer {i} has no key "
-                                   f"{pattern.format(i)!r} (every Linear needs a .weight entry)")
+    for i in sorted(i for i in by_layer if i < n_layers):
+        for before, after in sorted(union - by_layer[i]):
+            key = f"{before}.layers.{i}.{after}"
+            report.problems.append(f"{ckpt.description_file.name}: layer {i} has no key {key!r} "
+                                   "(every Linear needs a .weight entry)")
+    present = sum(1 for i in by_layer if i < n_layers)
+    if union and present < n_layers:      # whole layers without keys: one line, however many
+        first = [i for i in range(present + 3) if i not in by_layer][:3]
+        report.problems.append(f"{ckpt.description_file.name}: no keys for {n_layers - present} of {n_layers} "
+                               f"layers (first: {', '.join(map(str, first))}); every Linear needs a .weight entry")
 
 
 def _check_fused(ckpt: Checkpoint, report: Report) -> None:
@@ -255,7 +296,8 @@ def _check_fused(ckpt: Checkpoint, report: Report) -> None:
         if next(iter(schemes.values())) != "W8A8":
             continue
         for suffix in ("input_scale", "input_offset"):
-            names = [f"{p}.{suffix}" for p in present if f"{p}.{suffix}" in ckpt.infos]
+            names = [f"{p}.{suffix}" for p in present
+                     if f"{p}.{suffix}" in ckpt.infos and _numel(ckpt.infos[f"{p}.{suffix}"].shape) == 1]
             if len(names) < 2:
                 continue
             values = [ckpt.tensor(n).float().reshape(-1) for n in names]
@@ -294,8 +336,6 @@ def _check_kv(ckpt: Checkpoint, report: Report) -> None:
             want = f"[{width}]" if width else "[num_kv_heads * head_dim]"
             report.problems.append(f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')} "
                                    f"{list(info.shape)}, C8 needs float32 {want}")
-        elif suffix == "kv_cache_scale" and not torch.all(ckpt.tensor(name) > 0):
-            report.problems.append(f"{_rel(ckpt, name)}: {name} has non-positive scales")
         elif suffix == "kv_cache_offset" and torch.any(ckpt.tensor(name) != 0):
             report.problems.append(f"{_rel(ckpt, name)}: {name} is not zero; the NPU decode path is "
                                    "symmetric only")
