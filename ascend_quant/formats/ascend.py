@@ -99,6 +99,8 @@ class Checkpoint:
     tensor_files: dict[str, Path]        # tensor name -> file that holds it
     infos: dict[str, TensorInfo]
     config: dict | None
+    index_file: Path | None = None       # the shard index, if the folder has one
+    weight_map: dict[str, str] = field(default_factory=dict)   # its tensor name -> shard file name
 
     # ------------------------------------------------------------------ access
     def tensor(self, name: str) -> torch.Tensor:
@@ -166,24 +168,61 @@ def find_description(path: Path) -> tuple[Path, str]:
                           "not an Ascend quantized checkpoint")
 
 
+def load_json_object(file: Path, error: type[Exception] = CheckpointError) -> dict:
+    """A JSON file that must hold an object. Whatever else it holds (a list, a number, bytes
+    that are not JSON or not UTF-8, nothing) is one `error` line naming the file, so no reader
+    of ours trips over a `.get` or `[...]` on the wrong type later."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise error(f"{file}: not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(value, dict):
+        raise error(f"{file}: expected a JSON object, found {_json_kind(value)}")
+    return value
+
+
+def _json_kind(value: object) -> str:
+    return {list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def read_shard_index(index: Path, error: type[Exception] = CheckpointError) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file name) of a `*.safetensors.index.json`.
+
+    Shard names must be plain `*.safetensors` names in the index's folder: the loaders open
+    them, so a path that leaves the folder or names another kind of file is refused here."""
+    weight_map = load_json_object(index, error).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise error(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise error(f"{index}: weight_map sends {name!r} to {shard!r}, not a *.safetensors file name "
+                        "in this folder")
+    return weight_map
+
+
 def shard_index_files(index: Path, error: type[Exception] = CheckpointError) -> list[Path]:
     """The shard files a `*.safetensors.index.json` names (each must exist)."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError) as e:
-        raise error(f"{index}: unreadable shard index ({e})") from None
-    files = sorted({index.parent / f for f in weight_map.values()})
+    files = sorted({index.parent / f for f in read_shard_index(index, error).values()})
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise error(f"{index}: names shard(s) that do not exist: {', '.join(missing)}")
     return files
 
 
-def find_weight_files(path: Path) -> tuple[list[Path], str | None]:
-    """The safetensors files that hold the checkpoint's tensors, and 'sharded'/'v0' hints."""
+def find_index(path: Path) -> Path | None:
+    """The shard index of a folder (v1 name first, then v0's), if it has one."""
     for index in [path / INDEX_NAME, *sorted(path.glob("quant_model_weight_*.safetensors.index.json"))]:
         if index.is_file():
-            return shard_index_files(index), "sharded"
+            return index
+    return None
+
+
+def find_weight_files(path: Path) -> tuple[list[Path], str | None]:
+    """The safetensors files that hold the checkpoint's tensors, and 'sharded'/'v0' hints."""
+    index = find_index(path)
+    if index is not None:
+        return shard_index_files(index), "sharded"
     if (path / WEIGHTS_NAME).is_file():
         return [path / WEIGHTS_NAME], None
     v0 = sorted(path.glob("quant_model_weight_*.safetensors"))
@@ -196,7 +235,10 @@ def find_weight_files(path: Path) -> tuple[list[Path], str | None]:
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Tensor name -> dtype/shape from a safetensors header; corrupt files raise CheckpointError."""
+    """Tensor name -> dtype/shape from a safetensors header; corrupt files raise CheckpointError.
+
+    safe_open checks what can be checked without the data: header length and JSON, dtypes,
+    and that the offsets tile the data section exactly as the shapes say."""
     try:
         with safe_open(str(file), "pt") as f:
             out = {}
@@ -205,7 +247,39 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 out[key] = TensorInfo(_ST_DTYPES.get(sl.get_dtype(), torch.uint8), tuple(sl.get_shape()))
             return out
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({' '.join(str(e).split())})") from None
+
+
+# Top-level description keys: the JSON types a reader may rely on (None: key may be null).
+_META_TYPES = {"model_quant_type": (str,), "group_size": (int,), "kv_cache_type": (str, type(None)),
+               "kv_quant_type": (str, type(None)), "metadata": (dict,), "optional": (dict,)}
+# config.json keys the checks read for the geometry: positive integers (or null) when present.
+_CONFIG_SIZES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+
+
+def _check_meta(desc_file: Path, meta: dict) -> None:
+    """Refuse top-level description values of the wrong JSON type (a string group_size, a list
+    for metadata) here, once, instead of wherever they are used."""
+    for key, types in _META_TYPES.items():
+        value = meta.get(key)
+        if key in meta and (not isinstance(value, types) or isinstance(value, bool)):
+            raise CheckpointError(f"{desc_file}: top-level {key!r} is {value!r}; expected "
+                                  f"{' or '.join('null' if t is type(None) else t.__name__ for t in types)}")
+    if meta.get("group_size", 0) < 0:
+        raise CheckpointError(f"{desc_file}: top-level 'group_size' is {meta['group_size']}; expected 0 "
+                              "(per-channel) or a positive group size")
+
+
+def _check_config(file: Path, config: dict) -> None:
+    """The geometry keys verify and inspect compute with must be positive integers."""
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise CheckpointError(f"{file}: 'text_config' is {_json_kind(text)}; expected an object")
+    for cfg in (config, text or {}):
+        for key in _CONFIG_SIZES:
+            value = cfg.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise CheckpointError(f"{file}: {key!r} is {value!r}; expected a positive integer")
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -214,13 +288,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such folder")
     desc_file, layout = find_description(path)
-    try:
-        raw = json.loads(desc_file.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{desc_file}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{desc_file}: expected a JSON object")
+    raw = load_json_object(desc_file)
     meta = {k: raw[k] for k in raw if k in TOP_LEVEL_KEYS}
+    _check_meta(desc_file, meta)
     description = {}
     for k, v in raw.items():
         if k in TOP_LEVEL_KEYS:
@@ -235,15 +305,19 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     tensor_files: dict[str, Path] = {}
     for file in files:
         for name, info in read_header(file).items():
+            if name in tensor_files:
+                raise CheckpointError(f"{file}: tensor {name!r} is also in {tensor_files[name].name}; "
+                                      "a loader would keep either one")
             infos[name] = info
             tensor_files[name] = file
     config = None
     if (path / "config.json").is_file():
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except ValueError as e:
-            raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    return Checkpoint(path, layout, desc_file, description, meta, files, tensor_files, infos, config)
+        config = load_json_object(path / "config.json")
+        _check_config(path / "config.json", config)
+    index = find_index(path)
+    weight_map = read_shard_index(index) if index is not None else {}
+    return Checkpoint(path, layout, desc_file, description, meta, files, tensor_files, infos, config,
+                      index, weight_map)
 
 
 # ------------------------------------------------------------------------ writing

@@ -31,7 +31,6 @@ Conventions (from the `compressed-tensors` 0.17 sources and vLLM 0.32's loader):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -42,7 +41,7 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ascend_quant.formats.ascend import (TensorInfo, _ST_DTYPES, shard_index_files,
+from ascend_quant.formats.ascend import (TensorInfo, _ST_DTYPES, load_json_object, shard_index_files,
                                          write_weights_folder)
 
 QUANT_METHOD = "compressed-tensors"
@@ -211,10 +210,7 @@ def _read_config(path: Path, required: bool = True) -> dict | None:
         if required:
             raise CompressedTensorsError(f"{path}: no config.json")
         return None
-    try:
-        return json.loads(f.read_text())
-    except ValueError as e:
-        raise CompressedTensorsError(f"{f}: not valid JSON ({e})") from None
+    return load_json_object(f, CompressedTensorsError)
 
 
 def weight_files(path: Path) -> list[Path]:

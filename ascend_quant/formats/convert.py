@@ -59,8 +59,10 @@ import torch
 
 from ascend_quant import numerics
 from ascend_quant.formats import compressed_tensors as ctf
+from ascend_quant.formats.checks import tensor_problems
 from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_NAME, Checkpoint, CheckpointError,
-                                         dominant_quant_type, read_checkpoint, write_checkpoint)
+                                         dominant_quant_type, load_json_object, read_checkpoint,
+                                         write_checkpoint)
 from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
 from ascend_quant.schemes import SCHEMES
 
@@ -172,7 +174,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "ascend
 
 def _load_config(ckpt_config: dict | None, side: Path | None) -> dict | None:
     if side is not None:
-        return json.loads((side / "config.json").read_text())
+        return load_json_object(side / "config.json", ConversionError)
     return json.loads(json.dumps(ckpt_config)) if ckpt_config is not None else None
 
 
@@ -198,6 +200,16 @@ def _with_ascend_method(config: dict | None, meta: dict) -> dict | None:
                                      "group_size": meta.get("group_size", 0),
                                      "kv_cache": "C8" if meta.get("kv_cache_type") == "C8" else None}
     return config
+
+
+def _refuse_bad_values(tensors: Mapping[str, torch.Tensor], description: Mapping[str, str], file_of) -> None:
+    """Refuse a source whose scales or float tensors `verify` would reject (NaN, Inf, zero or
+    negative scales...): a conversion would carry them into a folder that loads and then
+    computes garbage. `file_of(name)` names the file a tensor came from."""
+    for name, t in tensors.items():
+        problems = tensor_problems(name, description.get(name), t)
+        if problems:
+            raise ConversionError(f"{file_of(name)}: {problems[0]}")
 
 
 def _fmt(dtype: torch.dtype) -> str:
@@ -312,6 +324,7 @@ def ascend_to_ascend(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | Non
     desc_name = ckpt.description_file.name
     tensors = ckpt.tensors(list(ckpt.tensor_files))
     description = dict(ckpt.description)
+    _refuse_bad_values(tensors, description, lambda name: ckpt.tensor_files[name].name)
     for name, qtype in description.items():
         if qtype not in SCHEMES:
             raise ConversionError(f"{desc_name}: {name!r} has unknown quant type {qtype!r}")
@@ -388,6 +401,7 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
         raise ConversionError(f"{ckpt.path}: no config.json; compressed-tensors keeps its quantization_config "
                               "there (pass --config-from MODEL)")
     t = ckpt.tensors()
+    _refuse_bad_values(t, ckpt.description, lambda name: ckpt.tensor_files[name].name)
     modules = ckpt.modules()
     linear_prefixes = {p for p, m in modules.items() if m.weight_scheme not in (None, "C8")
                        and (m.weight_scheme != "FLOAT" or _is_linear_weight(f"{p}.weight",
@@ -570,6 +584,7 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
     config = _load_config(ct.config, side)
     target_dtype = serve_dtype or _config_dtype(config) or torch.float32
     t = ct.tensors()
+    _refuse_bad_values(t, {}, ct.file_of)
     quantized = ct.quantized_modules()
     consumed: set[str] = set()
     tensors: dict[str, torch.Tensor] = {}
@@ -656,6 +671,7 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
         notes.append("W4A16 is served by ascend-quant's runtime; vllm-ascend 0.23 does not serve it for dense Linears")
     meta = {"model_quant_type": dominant_quant_type(description), "group_size": group_size,
             "kv_cache_type": "C8" if "C8" in description.values() else None}
+    _refuse_bad_values(tensors, description, lambda name: f"{ct.path.name} (converted)")
     write_checkpoint(out, tensors, description, group_size=group_size,
                      source_dir=side if side is not None else ct.path, config=_with_ascend_method(config, meta))
     return ConversionResult(out, "compressed-tensors", "ascend-v1", notes)

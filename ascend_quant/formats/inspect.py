@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,7 +39,7 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
             shape[0] *= 2
         if info is not None and info.weight_bits is not None:
             # float model: the weight in the float dtype plus its float bias; no quant tensors
-            float_bytes = shape[0] * shape[1] * fsize
+            float_bytes = math.prod(shape) * fsize if shape else 0
             if f"{prefix}.bias" in ckpt.infos:
                 float_bytes += ckpt.infos[f"{prefix}.bias"].nbytes
             kv = [n for n in names if n.rpartition(".")[2].startswith("kv_cache_")]
