@@ -30,6 +30,7 @@ vllm = pytest.importorskip("vllm")
 
 from ascend_quant.runtime.reference_model import load_reference_model  # noqa: E402
 from conftest import fixture_dir  # noqa: E402
+from format_oracle import TOLERANCE as ORACLE_TOL, load_oracle_model  # noqa: E402
 from runtime_helpers import quantize_tiny, sharpened_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -327,3 +328,21 @@ def test_eval_vllm_scores_like_the_simulation():
                  str(FIXTURES / "calib.jsonl"), tokens=256, seq_len=64, with_vllm=True)
     assert r.vllm_ppl is not None and abs(r.vllm_ppl / r.quantized_ppl - 1) < 0.005, (r.vllm_ppl, r.quantized_ppl)
     assert "vLLM" in format_result(r) and "vllm_vs_simulation" in r.as_dict()
+
+
+# ----------------------------------------------------------------------------- format oracle
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_vllm_matches_format_oracle(name, checkpoints, generations):
+    """vLLM against tests/format_oracle.py, which simulates the checkpoint in plain transformers
+    from ascend-format.md alone and imports nothing from ascend_quant, so a misreading of the
+    format shared by the vLLM method and the reference forward above still fails here.
+    Tolerance: format_oracle.TOLERANCE (summation order only; its comment has the figures)."""
+    model = load_oracle_model(checkpoints[name])
+    for prompt, (tokens, logprobs) in zip(PROMPTS, generations[name]):
+        ids = torch.tensor([prompt + tokens[:-1]])
+        with torch.no_grad():
+            oracle = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:].float(), -1)
+        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+            assert oracle[i, t] >= oracle[i].max() - ORACLE_TOL, (name, prompt, i, t, oracle[i].argmax().item())
+            assert abs(lp - oracle[i, t].item()) < ORACLE_TOL, (name, i, lp, oracle[i, t].item())
