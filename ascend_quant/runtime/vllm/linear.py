@@ -23,6 +23,7 @@ import torch
 
 from ascend_quant import numerics
 from ascend_quant.runtime import kernels
+from ascend_quant.runtime.vllm import ops
 from ascend_quant.runtime.qlinear import LINEAR_SCHEMES, QuantLinear
 from ascend_quant.schemes import SCHEMES
 
@@ -97,6 +98,7 @@ class AscendQuantLinearMethod(LinearMethodBase):
         layer.logical_widths = output_partition_sizes
         layer.ascend_scheme = self.scheme
         layer.ascend_row_parallel = row_parallel
+        layer.ascend_op_key = ops.register_layer(layer, self.prefix)
 
         def reg(name, param):
             layer.register_parameter(name, param)
@@ -181,7 +183,8 @@ class AscendQuantLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.norm_bias:
             x = x + layer.input_bias_cast
-        return layer.ascend_qlinear(x, bias)
+        # one opaque custom op: vLLM's compiled mode must not trace into the kernels
+        return torch.ops.ascend_quant.linear(x, bias, layer.ascend_op_key, layer.ascend_qlinear.n)
 
 
 @register_weight_loader_v2_supported_method

@@ -1,0 +1,57 @@
+"""Our quantized Linear as one torch custom op, so vLLM's default compiled mode keeps it whole.
+
+vLLM (without `enforce_eager`) traces the model with dynamo in fullgraph mode. The kernels
+behind `QuantLinear` branch on tensor values (an all-zero token, a chunk loop over k), hold
+objects that are not tensors (oneDNN handles, packed layouts) and call C code: dynamo cannot
+trace them, and should not. Registered through `torch.library.custom_op` with a fake
+implementation (the output's shape and dtype), the whole quantized forward is one opaque node
+in the graph, as vLLM does for its own attention (`unified_attention_with_output`).
+
+The op takes the layer's name, not its weights: the layer registers itself in vLLM's
+`static_forward_context` while the model is built, and the op finds it in the forward
+context of the engine that is running (so two engines in one process never mix their
+layers, and the traced graph holds only a string, stable across processes for vLLM's
+compile cache).
+
+    y = torch.ops.ascend_quant.linear(x, bias, layer_name, out_features)
+"""
+
+from __future__ import annotations
+
+import torch
+
+# where a layer registers in vLLM's static forward context (kept apart from LoRA's prefix keys)
+KEY_PREFIX = "ascend_quant:"
+
+
+def register_layer(layer: torch.nn.Module, prefix: str) -> str:
+    """Make `layer` reachable by the op for the engine being built; returns its key."""
+    from vllm.config import get_current_vllm_config
+
+    key = KEY_PREFIX + prefix
+    context = get_current_vllm_config().compilation_config.static_forward_context
+    if key in context and context[key] is not layer:
+        raise ValueError(f"duplicate quantized layer name {prefix!r} in one model")
+    context[key] = layer
+    return key
+
+
+def _layer(key: str) -> torch.nn.Module:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        raise RuntimeError(f"{key}: the ascend linear op runs inside a vLLM forward only")
+    return get_forward_context().no_compile_layers[key]
+
+
+@torch.library.custom_op("ascend_quant::linear", mutates_args=())
+def linear(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
+    """The quantized forward of the layer registered as `layer_name` (its `ascend_qlinear`)."""
+    y = _layer(layer_name).ascend_qlinear(x, bias)
+    # a custom op may not return (a view of) its input
+    return y.clone() if y.data_ptr() == x.data_ptr() else y
+
+
+@linear.register_fake
+def _linear_fake(x, bias, layer_name, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
