@@ -10,7 +10,8 @@ Backends (one file each): `npu` (torch_npu, §3 of ascend-format.md), `cuda` (CU
 (the exact format arithmetic through `ascend_quant.numerics`). Each answers
 `can_implement(op, **cfg) -> (ok, reason)`; `get_backend` takes the first that accepts
 and, when none does, raises one error listing every rejection. The environment variable
-`ASCEND_QUANT_KERNEL_BACKEND` (npu, cuda, cpu, reference) forces a choice.
+`ASCEND_QUANT_KERNEL_BACKEND` (npu, cuda, cpu, reference) forces a choice, and
+`ASCEND_QUANT_CPU_GEMM` (onednn, f32, int_mm) the int8 GEMM of the cpu backend.
 
 Layer code prepares weights once (`backend.prepare_int8`, `backend.prepare_weight_only`)
 and calls the backend's methods; the module-level functions below prepare on every call
@@ -23,7 +24,7 @@ import os
 
 import torch
 
-from ascend_quant.runtime.kernels.cpu import CpuBackend
+from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend
 from ascend_quant.runtime.kernels.cuda import CudaBackend
 from ascend_quant.runtime.kernels.npu import NpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
@@ -33,16 +34,17 @@ BACKENDS = {"npu": NpuBackend, "cuda": CudaBackend, "cpu": CpuBackend, "referenc
 PREFERENCE = {"npu": ("npu",), "cuda": ("cuda", "reference"), "cpu": ("cpu", "reference")}
 ENV_VAR = "ASCEND_QUANT_KERNEL_BACKEND"
 
-_instances: dict[str, object] = {}
+_instances: dict[tuple[str, str], object] = {}
 
 
 def backend(name: str):
-    """The (shared) backend object called `name`."""
+    """The (shared) backend object called `name` (one per setting of the CPU GEMM switch)."""
     if name not in BACKENDS:
         raise ValueError(f"{ENV_VAR}/backend: unknown kernel backend {name!r} (known: {', '.join(BACKENDS)})")
-    if name not in _instances:
-        _instances[name] = BACKENDS[name]()
-    return _instances[name]
+    key = (name, os.environ.get(GEMM_ENV, ""))
+    if key not in _instances:
+        _instances[key] = BACKENDS[name]()
+    return _instances[key]
 
 
 def get_backend(device: torch.device | str = "cpu", op: str = "any", **cfg):

@@ -12,6 +12,10 @@ On CPUs without VNNI (AVX2 only, like the 2-core machine this was written on) on
 s8 x s8 GEMM multiplies through `vpmaddubsw`, whose int16 pair sums saturate: measured here,
 full-range int8 operands come out wrong by up to a third. It is therefore used only when
 /proc/cpuinfo names avx512_vnni, avx_vnni or amx_int8; `torch._int_mm` is exact everywhere.
+
+`ASCEND_QUANT_CPU_GEMM=f32` (or `onednn`, `int_mm`) forces a path, so the exact-f32 path,
+the default of AVX2 machines, is tested and served on a VNNI machine too. Forcing `onednn`
+without VNNI is refused: its results would be wrong.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ascend_quant import numerics
 from ascend_quant.runtime.kernels.reference import EXACT_F32_CHUNK, ReferenceBackend, exact_int8_matmul, int8_epilogue
 
 GEMMS = ("onednn", "f32", "int_mm")
+GEMM_ENV = "ASCEND_QUANT_CPU_GEMM"
 # How the "f32" path keeps weights: "compact" (default) keeps the integers (int4 packed two per
 # byte) and converts one k-chunk at a time inside each call, so serving memory is what the
 # checkpoint promises (1 byte per int8 weight, half a byte per int4 weight); "float32" keeps a
@@ -59,6 +64,16 @@ def vllm_cpu_ops():
         return ops
     except Exception:   # ImportError, or the op is not compiled into this build
         return None
+
+
+def default_gemm() -> str:
+    """The int8 GEMM path: `ASCEND_QUANT_CPU_GEMM` if set, else oneDNN where it is exact and fast."""
+    import os
+
+    forced = os.environ.get(GEMM_ENV)
+    if forced:
+        return forced
+    return "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
 
 
 @dataclass
@@ -108,9 +123,12 @@ class CpuBackend(ReferenceBackend):
     name = "cpu"
 
     def __init__(self, gemm: str | None = None):
-        if gemm is None:
-            gemm = "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
-        assert gemm in GEMMS, gemm
+        gemm = gemm or default_gemm()
+        if gemm not in GEMMS:
+            raise ValueError(f"{GEMM_ENV}={gemm!r}: use one of {', '.join(GEMMS)}")
+        if gemm == "onednn" and not (cpu_has_vnni() and vllm_cpu_ops() is not None):
+            raise ValueError(f"{GEMM_ENV}=onednn needs vLLM's CPU ops and a CPU with VNNI or AMX "
+                             "(without them oneDNN's int8 GEMM saturates); use f32")
         self.gemm = gemm
         self.use_onednn = gemm == "onednn"
 
@@ -131,11 +149,11 @@ class CpuBackend(ReferenceBackend):
         out = torch.empty_like(x2, dtype=torch.int8)
         scale = torch.empty((x2.shape[0], 1), dtype=torch.float32)
         torch.ops._C.dynamic_scaled_int8_quant(out, x2, scale, None)
-        # an all-zero token: the reference (numerics) defines its scale as 1.0
+        # an all-zero token: the reference (numerics) defines its scale as 1.0 (no branch on
+        # the values: this also runs where a compiler traces it)
         zero = scale == 0
-        if bool(zero.any()):
-            out = torch.where(zero, torch.zeros_like(out), out)
-            scale = torch.where(zero, torch.ones_like(scale), scale)
+        out = out.masked_fill(zero, 0)
+        scale = scale.masked_fill(zero, 1.0)
         return out.reshape(x.shape), scale.reshape(*lead, 1)
 
     def prepare_int8(self, weight, scale, bits: int = 8):
