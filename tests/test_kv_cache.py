@@ -58,7 +58,9 @@ def _written(s, impl="reference"):
     return cache
 
 
-needs_native = pytest.mark.skipif(native.load() is None, reason=f"no C compiler: {native.error()}")
+def test_native_kernel_builds():
+    """The C kernel is part of what the suite tests: without a compiler it fails, never skips."""
+    assert native.load() is not None, f"the C paged-attention kernel did not build: {native.error()}"
 
 
 def test_reference_write_stores_quantized_values_at_their_slots():
@@ -74,7 +76,6 @@ def test_reference_write_stores_quantized_values_at_their_slots():
     assert torch.equal(kc[b, :, :, o], kq) and torch.equal(vc[b, :, o, :], vq)
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_write_equals_reference(dtype):
     s = _scenario(dtype=dtype)
@@ -102,7 +103,7 @@ def test_reference_attention_is_plain_attention_over_fake_quantized_kv():
         torch.testing.assert_close(out[s["qsl"][r]:s["qsl"][r + 1]], ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
-IMPLS = ["torch", pytest.param("native", marks=needs_native)]
+IMPLS = ["torch", "native"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -128,7 +129,6 @@ def test_fast_attention_long_prefill_and_many_decodes(impl):
     torch.testing.assert_close(c8.attention(*args, impl=impl), c8.attention_reference(*args), atol=2e-5, rtol=1e-4)
 
 
-@needs_native
 def test_native_attention_writes_bf16_output_rows_in_place():
     """vLLM's output buffer: [T, H*D] in the model dtype, filled by the kernel with the scales applied."""
     s = _scenario(dtype=torch.bfloat16)
@@ -284,7 +284,6 @@ def tiny_c8(tmp_path_factory):
 @pytest.fixture(scope="module")
 def c8_engine_results(tiny_c8):
     """fp32 C8 engine, chunked prefill of 16-token chunks, prefix caching; prompts run twice."""
-    pytest.importorskip("vllm")
     from vllm import SamplingParams
 
     llm = _llm(tiny_c8, dtype="float32", max_num_batched_tokens=16, enable_chunked_prefill=True,
@@ -306,7 +305,6 @@ def c8_engine_results(tiny_c8):
 @pytest.fixture(scope="module")
 def bf16_engine_results(tiny_c8, tmp_path_factory):
     """The same model without C8 scales, bf16 KV cache of the same byte budget."""
-    pytest.importorskip("vllm")
     folder = _float_copy(tiny_c8, tmp_path_factory.mktemp("kvf") / "tiny-float")
     llm = _llm(folder, dtype="bfloat16")
     try:
