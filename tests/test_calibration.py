@@ -429,12 +429,31 @@ def test_static_w8a8_shares_input_scale_across_fused(tmp_path, tiny, calib_jsonl
 
 # ---------------------------------------------------- reproducing msModelSlim's files
 
+def _float32_bits(t: torch.Tensor) -> torch.Tensor:
+    """The float32 bit patterns of a stored scale as int32 (deq_scale may be stored as int64
+    holding the float32 bits in its low half): adjacent positive floats differ by 1."""
+    if t.dtype == torch.int64:
+        return (t & 0xFFFFFFFF).to(torch.int32)
+    return t.to(torch.float32).contiguous().view(torch.int32)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (_float32_bits(a).long() - _float32_bits(b).long()).abs()
+
+
 def test_reproduces_msmodelslim_static_w8a8_c8(tmp_path, tiny, calib_jsonl):
     """The recipe of v1_w8a8_static_c8 (min-max, no smoothing) on the same 8 texts, one sample
-    each, with msModelSlim's running range observer and its C8 aggregation: every W8A8 tensor
-    is bit-exact. C8 scales are exact in layer 0; in layer 1 at most one channel of each
-    differs, by about 1 LSB of its largest value: we run the 8 samples as one padded batch,
-    msModelSlim one at a time, and the different summation order flips a rounding upstream."""
+    each, with msModelSlim's running range observer and its C8 aggregation.
+
+    Bit for bit where inputs are the float model's own tensors; within 1 ulp where activations
+    pass through float GEMMs whose summation order depends on the CPU. So: every integer weight
+    everywhere and every tensor of layer 0 (its input is the embedding) are bit-exact; in later
+    layers an activation-derived scale (input_scale, deq_scale) may differ by 1 ulp (seen on an
+    AVX-512 VNNI CPU; bit-exact on the AVX2 CPU the fixture was first matched on), and only
+    where it does may the integers derived from it (input_offset, quant_bias) move by 1.
+    C8 scales are exact in layer 0; in layer 1 at most one channel of each differs, by about
+    1 LSB of its largest value: we run the 8 samples as one padded batch, msModelSlim one at a
+    time, and the different summation order flips a rounding upstream."""
     rec = recipes.Recipe("W8A8", method="minmax", kv_cache=recipes.KVCache(method="msmodelslim"),
                          activations=recipes.Activations("running"))
     out = tmp_path / "out"
@@ -443,10 +462,21 @@ def test_reproduces_msmodelslim_static_w8a8_c8(tmp_path, tiny, calib_jsonl):
     mine = load_file(out / "quant_model_weights.safetensors")
     gold = read_checkpoint(fixture_dir("v1_w8a8_static_c8")).tensors()
     assert set(mine) == set(gold)
-    for name in gold:
+    moved = set()           # Linears whose activation scale moved by an ulp
+    for name in sorted(gold, key=lambda n: not n.endswith(("input_scale", "deq_scale"))):
         if name.endswith(("kv_cache_scale", "kv_cache_offset")):
             continue
-        assert mine[name].dtype == gold[name].dtype and torch.equal(mine[name], gold[name]), name
+        assert mine[name].dtype == gold[name].dtype and mine[name].shape == gold[name].shape, name
+        linear, suffix = name.rsplit(".", 1)
+        exact = ".layers.0." in name or suffix not in ("input_scale", "deq_scale", "input_offset", "quant_bias")
+        if exact or torch.equal(mine[name], gold[name]):
+            assert torch.equal(mine[name], gold[name]), name
+        elif suffix in ("input_scale", "deq_scale"):
+            assert _ulps(mine[name], gold[name]).max() <= 1, name
+            moved.add(linear)
+        else:
+            assert linear in moved, f"{name} differs while its scales are bit-exact"
+            assert (mine[name].long() - gold[name].long()).abs().max() <= 1, name
     for name in gold:
         if name.endswith("kv_cache_scale"):
             diff = (mine[name] - gold[name]).abs()
