@@ -210,3 +210,46 @@ def test_quant_linear_matches_reference(b, scheme):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     exact = x @ w.t() + bias
     assert (want - exact).norm() < (0.2 if "4" in scheme else 0.05) * exact.norm()
+
+
+# ------------------------------------------------------------------ the CPU GEMM switch
+
+def test_cpu_gemm_switch_forces_a_path(monkeypatch):
+    """ASCEND_QUANT_CPU_GEMM picks the path every layer built afterwards uses (documented in the
+    README), so the exact-f32 path is served and tested on VNNI machines as well."""
+    from ascend_quant.runtime.kernels.cpu import GEMM_ENV
+
+    monkeypatch.setenv(GEMM_ENV, "f32")
+    assert kernels.get_backend("cpu", "int8_matmul").gemm == "f32"
+    monkeypatch.setenv(GEMM_ENV, "int_mm")
+    assert kernels.get_backend("cpu", "int8_matmul").gemm == "int_mm"
+    monkeypatch.setenv(GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_GEMM='fast'"):
+        kernels.get_backend("cpu", "int8_matmul")
+    monkeypatch.delenv(GEMM_ENV)
+    expected = "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
+    assert kernels.get_backend("cpu", "int8_matmul").gemm == expected
+
+
+def test_onednn_is_refused_without_vnni(monkeypatch):
+    """oneDNN's s8 x s8 GEMM saturates int16 pair sums on CPUs without VNNI: never chosen there,
+    not even when asked for."""
+    from ascend_quant.runtime.kernels import cpu
+
+    monkeypatch.setattr(cpu, "cpu_has_vnni", lambda: False)
+    assert cpu.default_gemm() == "f32"
+    with pytest.raises(ValueError, match="needs vLLM's CPU ops and a CPU with VNNI"):
+        CpuBackend(gemm="onednn")
+
+
+def test_dynamic_quantizer_has_no_value_branch():
+    """vLLM's fused quantizer with the all-zero-token fix-up done by masks: an all-zero row gets
+    scale 1 and zeros, like the reference, and the result is the same under torch.compile."""
+    x = torch.randn(5, 64)
+    x[2] = 0
+    b = CpuBackend(gemm="f32")
+    q, s = b.quantize_dynamic(x)
+    q_ref, s_ref = REF.quantize_dynamic(x)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and s[2].item() == 1.0
+    qc, sc = torch.compile(b.quantize_dynamic, fullgraph=False)(x)
+    assert torch.equal(qc, q) and torch.equal(sc, s)
