@@ -282,6 +282,26 @@ def _check_config(file: Path, config: dict) -> None:
                 raise CheckpointError(f"{file}: {key!r} is {value!r}; expected a positive integer")
 
 
+def text_config(config: dict | None) -> dict:
+    """The part of a config.json that describes the language model: `text_config` where a
+    multimodal config nests it, else the config itself ({} for none)."""
+    nested = (config or {}).get("text_config")
+    return nested if isinstance(nested, dict) else (config or {})
+
+
+def kv_geometry(config: dict | None) -> tuple[int, int] | None:
+    """(num_key_value_heads, head_dim) of a config.json (its text_config if it has one), or None
+    where it does not say; head_dim falls back to hidden_size // num_attention_heads."""
+    cfg = text_config(config)
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    head_dim, hidden = cfg.get("head_dim"), cfg.get("hidden_size")
+    kv_heads = kv_heads or heads
+    if not head_dim and hidden and heads:
+        head_dim = hidden // heads
+    ints = isinstance(kv_heads, int) and isinstance(head_dim, int)
+    return (kv_heads, head_dim) if ints and kv_heads > 0 and head_dim > 0 else None
+
+
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read an Ascend checkpoint folder's description, config and tensor headers."""
     path = Path(path)
@@ -347,6 +367,21 @@ def build_description(description: Mapping[str, str], group_size: int = 0,
     return out
 
 
+def with_ascend_quantization_config(config: dict | None, desc: Mapping) -> dict | None:
+    """config.json whose `quantization_config` says `ascend` carries the whole description.
+
+    vLLM hands `quantization_config` to the method's `from_config`, and vllm-ascend (0.23) takes
+    that dict as the complete description: it then never reads quant_model_description.json,
+    and a short `{"quant_method": "ascend"}` makes every Linear fail with a KeyError (found by
+    `tests/test_vllm_ascend_layout.py` running vllm-ascend's own config on our folders). With
+    the description inside, both vllm-ascend and our plugin pick the method from config.json
+    alone; msModelSlim's own folders have no quantization_config and need `--quantization`."""
+    if config is None or not isinstance(config.get("quantization_config"), dict) or \
+            config["quantization_config"].get("quant_method") != "ascend":
+        return config
+    return {**config, "quantization_config": {"quant_method": "ascend", **desc}}
+
+
 def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                      description: Mapping[str, str], *, group_size: int = 0,
                      source_dir: str | os.PathLike | None = None, config: dict | None = None,
@@ -369,6 +404,7 @@ def write_checkpoint(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor]
                          f"no tensor for {sorted(extra)[:3]}")
     desc = build_description(description, group_size, metadata)
     files = {DESCRIPTION_NAME: json.dumps(desc, indent=2) + "\n", **(extra_files or {})}
+    config = with_ascend_quantization_config(config, desc)
     return write_weights_folder(out, tensors, filename_pattern="quant_model_weights{suffix}.safetensors",
                                 source_dir=source_dir, config=config, extra_files=files,
                                 max_shard_size=max_shard_size, overwrite=overwrite, loader=loader)
@@ -458,7 +494,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: str, metadata: dict
                 t = value
             t = t.detach().contiguous().cpu()
             if t.numel():
-                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -60,8 +60,9 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.formats import compressed_tensors as ctf
 from ascend_quant.formats.checks import tensor_problems
+from ascend_quant.formats.verify import structure_problems
 from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_NAME, Checkpoint, CheckpointError,
-                                         dominant_quant_type, load_json_object, read_checkpoint,
+                                         kv_geometry, load_json_object, read_checkpoint,
                                          write_checkpoint)
 from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
 from ascend_quant.schemes import SCHEMES
@@ -191,14 +192,12 @@ def _set_config_dtype(config: dict, dtype: torch.dtype) -> None:
         config["torch_dtype"] = _DTYPE_NAMES[dtype]
 
 
-def _with_ascend_method(config: dict | None, meta: dict) -> dict | None:
+def _with_ascend_method(config: dict | None) -> dict | None:
     if config is None:
         return None
     config = dict(config)
     config.pop("compression_config", None)
-    config["quantization_config"] = {"quant_method": "ascend", "scheme": meta.get("model_quant_type"),
-                                     "group_size": meta.get("group_size", 0),
-                                     "kv_cache": "C8" if meta.get("kv_cache_type") == "C8" else None}
+    config["quantization_config"] = {"quant_method": "ascend"}     # the writer adds the description
     return config
 
 
@@ -360,14 +359,9 @@ def ascend_to_ascend(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | Non
                          f"for {_fmt(target)} serving (the float32 values are unchanged)")
     if serve_dtype is not None and config is not None:
         notes.append(f"config.json dtype set to {_DTYPE_NAMES[serve_dtype]}")
-    meta = ckpt.meta
     write_checkpoint(out, tensors, description, group_size=ckpt.group_size,
                      source_dir=side if side is not None else ckpt.path,
-                     config=_with_ascend_method(config, {**meta, "group_size": ckpt.group_size,
-                                                         "kv_cache_type": "C8" if "C8" in description.values()
-                                                         else None,
-                                                         "model_quant_type": meta.get("model_quant_type")}),
-                     metadata=meta.get("metadata"))
+                     config=_with_ascend_method(config), metadata=ckpt.meta.get("metadata"))
     return ConversionResult(out, ckpt.layout, "ascend-v1", notes)
 
 
@@ -400,6 +394,10 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
     if config is None:
         raise ConversionError(f"{ckpt.path}: no config.json; compressed-tensors keeps its quantization_config "
                               "there (pass --config-from MODEL)")
+    problems = structure_problems(ckpt)
+    if problems:
+        more = f" (and {len(problems) - 1} more; see `ascend-quant verify`)" if len(problems) > 1 else ""
+        raise ConversionError(f"{problems[0]}{more}")
     t = ckpt.tensors()
     _refuse_bad_values(t, ckpt.description, lambda name: ckpt.tensor_files[name].name)
     modules = ckpt.modules()
@@ -530,19 +528,10 @@ def _ascend_linear_to_ct(scheme: str, t: Mapping[str, torch.Tensor], bias: torch
         "weight_scale": scale}
 
 
-def _kv_geometry(config: dict | None) -> tuple[int, int] | None:
-    if not config:
-        return None
-    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
-    head_dim = config.get("head_dim") or (config["hidden_size"] // config["num_attention_heads"]
-                                          if "hidden_size" in config and "num_attention_heads" in config else None)
-    return (int(heads), int(head_dim)) if heads and head_dim else None
-
-
 def _c8_to_ct(kv: dict[str, torch.Tensor], ckpt: Checkpoint, config: dict) -> tuple[ctf.QArgs, dict]:
     """C8 per-channel scales -> compressed-tensors k_scale/v_scale: per-tensor when every channel
     has the same scale, per-head (attn_head) when constant within each head; else refused."""
-    geometry = _kv_geometry(config)
+    geometry = kv_geometry(config)
     out: dict[str, torch.Tensor] = {}
     strategies = set()
     for name, scale in kv.items():
@@ -669,11 +658,9 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
                      f"{_fmt(target_dtype)} serving")
     if any(l["scheme"] == "W4A16" for l in per_layer.values()):
         notes.append("W4A16 is served by ascend-quant's runtime; vllm-ascend 0.23 does not serve it for dense Linears")
-    meta = {"model_quant_type": dominant_quant_type(description), "group_size": group_size,
-            "kv_cache_type": "C8" if "C8" in description.values() else None}
     _refuse_bad_values(tensors, description, lambda name: f"{ct.path.name} (converted)")
     write_checkpoint(out, tensors, description, group_size=group_size,
-                     source_dir=side if side is not None else ct.path, config=_with_ascend_method(config, meta))
+                     source_dir=side if side is not None else ct.path, config=_with_ascend_method(config))
     return ConversionResult(out, "compressed-tensors", "ascend-v1", notes)
 
 
@@ -807,7 +794,7 @@ def _ct_kv_to_c8(ct: ctf.CTCheckpoint, t: Mapping[str, torch.Tensor], kv_names: 
         raise ConversionError(f"{ct.file_of(first)}: asymmetric KV cache ({first}) has no Ascend equivalent")
     if kvq.strategy not in ("tensor", "attn_head"):
         raise ConversionError(f"{ct.config_file}: KV strategy {kvq.strategy!r} has no Ascend equivalent")
-    geometry = _kv_geometry(config)
+    geometry = kv_geometry(config)
     if geometry is None:
         raise ConversionError(f"{ct.path}: KV scales need config.json (num_key_value_heads, head_dim)")
     heads, head_dim = geometry

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ascend_quant.formats.ascend import Checkpoint
+from ascend_quant.formats.ascend import Checkpoint, kv_geometry, text_config
 from ascend_quant.schemes import SCHEMES
 
 
@@ -81,14 +81,10 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
 def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
     """Tokens of KV cache per GiB (K + V of every layer; block rounding ignored): as stored by
     this checkpoint (int8 on C8 layers) and in the float dtype. None without a usable config."""
-    cfg = ckpt.config or {}
-    cfg = cfg.get("text_config", cfg)
-    try:
-        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError):
+    layers, geometry = text_config(ckpt.config).get("num_hidden_layers"), kv_geometry(ckpt.config)
+    if not isinstance(layers, int) or layers <= 0 or geometry is None:
         return None
+    kv_heads, head_dim = geometry
     c8 = sum(1 for k, v in ckpt.description.items() if k.endswith(".k_proj.kv_cache_scale") and v == "C8")
     c8 = min(c8, layers)
     per_layer = 2 * kv_heads * head_dim

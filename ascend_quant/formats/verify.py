@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ascend_quant import numerics
-from ascend_quant.formats.ascend import Checkpoint, CheckpointError, TensorInfo, read_checkpoint
+from ascend_quant.formats.ascend import Checkpoint, CheckpointError, TensorInfo, kv_geometry, read_checkpoint
 from ascend_quant.formats.checks import checkpoint_value_problems
 from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
 from ascend_quant.schemes import SCHEMES, W4A8_GROUP_TENSORS
@@ -83,17 +83,27 @@ def verify(path: str | Path) -> Report:
         return report
     _check_files(ckpt, report)
     _check_index(ckpt, report)
-    _check_keys(ckpt, report)
-    modules = ckpt.modules()
-    for prefix, mod in modules.items():
-        scheme = mod.weight_scheme
-        if scheme in _SPECS:
-            _check_linear(ckpt, prefix, scheme, report)
+    report.problems.extend(structure_problems(ckpt))
+    for prefix, mod in ckpt.modules().items():
+        if mod.weight_scheme == "W8A8":
+            _check_deq_dtype(ckpt, prefix, report)
     _check_layers_complete(ckpt, report)
     _check_fused(ckpt, report)
-    _check_kv(ckpt, report)
     report.problems.extend(checkpoint_value_problems(ckpt))
     return report
+
+
+def structure_problems(ckpt: Checkpoint) -> list[str]:
+    """What code reading the tensors by name relies on: every tensor described and present,
+    each quantized Linear with the tensors, dtypes and shapes of its scheme, C8 scales where
+    they belong. `convert` runs it before computing with a layer's tensors."""
+    report = Report(str(ckpt.path))
+    _check_keys(ckpt, report)
+    for prefix, mod in ckpt.modules().items():
+        if mod.weight_scheme in _SPECS:
+            _check_linear(ckpt, prefix, mod.weight_scheme, report)
+    _check_kv(ckpt, report)
+    return report.problems
 
 
 def _rel(ckpt: Checkpoint, name: str) -> str:
@@ -108,6 +118,18 @@ def _check_files(ckpt: Checkpoint, report: Report) -> None:
             report.problems.append(
                 f"{f.name}: stray safetensors file beside the quantized weights (vLLM loads every "
                 "*.safetensors in the folder; remove it)")
+    q = (ckpt.config or {}).get("quantization_config")
+    if q is not None and not (isinstance(q, dict) and q.get("quant_method") == "ascend"):
+        report.problems.append(f"config.json: quantization_config is {str(q)[:80]!r}; vLLM takes it for the "
+                               "quantization method (write {\"quant_method\": \"ascend\"} or remove it)")
+    elif q is not None:
+        # vllm-ascend takes this dict as the whole description and then never reads the file
+        inside = {k: v for k, v in q.items() if "." in k}
+        if inside != dict(ckpt.description):
+            what = "holds no tensor keys" if not inside else "disagrees with the description file"
+            report.problems.append(
+                f"config.json: quantization_config {what}; vllm-ascend reads it instead of "
+                f"{ckpt.description_file.name} (run `ascend-quant convert` or remove quantization_config)")
     if not (ckpt.path / "config.json").is_file():
         report.notes.append("no config.json: dtype and shape-vs-config checks skipped "
                             "(convert with --config-from MODEL to serve it)")
@@ -195,6 +217,10 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) ->
         if info is None:
             report.problems.append(f"{fname}: {scheme} layer {prefix} has no {suffix!r} tensor")
             continue
+        typed = ckpt.description.get(name)
+        if typed is not None and typed != scheme:
+            report.problems.append(f"{ckpt.description_file.name}: {name!r} is typed {typed!r}, but its layer is "
+                                   f"{scheme} (every tensor of a quantized Linear has the weight's type)")
         if info.dtype not in dtypes:
             want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
             report.problems.append(f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')}, "
@@ -217,11 +243,9 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) ->
                                    f"{list(sb.shape)}, expected {[n, chunks]}")
     if scheme == "W8A16":
         off = f"{prefix}.weight_offset"
-        if off in ckpt.infos and torch.any(ckpt.tensor(off) != 0):
+        if off in ckpt.infos and _nonzero(ckpt.tensor(off)):
             report.problems.append(f"{_rel(ckpt, off)}: {off} is not zero; asymmetric W8A16 is computed "
                                    "with the wrong sign on the NPU")
-    if scheme == "W8A8":
-        _check_deq_dtype(ckpt, prefix, report)
 
 
 def _out_features(weight: TensorInfo, scale: TensorInfo | None, packed: bool) -> int:
@@ -244,6 +268,11 @@ def _check_deq_dtype(ckpt: Checkpoint, prefix: str, report: Report) -> None:
             f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')} but config.json dtype is "
             f"{str(dtype).replace('torch.', '')}, which needs {str(want).replace('torch.', '')} "
             "(re-encode with `ascend-quant convert --dtype`)")
+
+
+def _nonzero(t: torch.Tensor) -> bool:
+    """Any finite nonzero value (NaN and Inf are the value checks' to report, in their own line)."""
+    return bool(torch.any((t != 0) & t.isfinite()))
 
 
 def _numel(shape) -> int:
@@ -315,14 +344,8 @@ def _check_kv(ckpt: Checkpoint, report: Report) -> None:
     if ckpt.meta.get("kv_cache_type") != "C8":
         report.problems.append(f"{ckpt.description_file.name}: C8 tensors present but top-level "
                                "'kv_cache_type' is not 'C8'")
-    width = None
-    if ckpt.config:
-        cfg = ckpt.config
-        heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
-        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // cfg["num_attention_heads"]
-                                           if "hidden_size" in cfg and "num_attention_heads" in cfg else None)
-        if heads and head_dim:
-            width = int(heads) * int(head_dim)
+    geometry = kv_geometry(ckpt.config)
+    width = geometry[0] * geometry[1] if geometry else None
     for name in kv_names:
         prefix, _, suffix = name.rpartition(".")
         if suffix not in ("kv_cache_scale", "kv_cache_offset") or prefix.rpartition(".")[2] not in KV_PROJECTIONS:
@@ -336,7 +359,7 @@ def _check_kv(ckpt: Checkpoint, report: Report) -> None:
             want = f"[{width}]" if width else "[num_kv_heads * head_dim]"
             report.problems.append(f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')} "
                                    f"{list(info.shape)}, C8 needs float32 {want}")
-        elif suffix == "kv_cache_offset" and torch.any(ckpt.tensor(name) != 0):
+        elif suffix == "kv_cache_offset" and _nonzero(ckpt.tensor(name)):
             report.problems.append(f"{_rel(ckpt, name)}: {name} is not zero; the NPU decode path is "
                                    "symmetric only")
     for proj in KV_PROJECTIONS:
