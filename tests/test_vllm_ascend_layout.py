@@ -303,10 +303,28 @@ def test_vllm_ascend_reads_msmodelslim_and_bare_folders(world):
         assert world["answer"]["folders"][folder]["layers"] == expected_layers(folder), name
 
 
-@pytest.mark.xfail(strict=True, reason="config.json's quantization_config {'quant_method': 'ascend', ...} is "
-                   "taken by vllm-ascend 0.23 as the whole quant description (vLLM passes it to from_config, and "
-                   "maybe_update_config then skips quant_model_description.json): every Linear is a KeyError")
 @pytest.mark.parametrize("name", ["calibrated-W8A8", "calibrated-W4A8_DYNAMIC", "converted-v1_w8a8_dyn"])
 def test_vllm_ascend_reads_our_folders(world, name):
     folder = world["folders"][name]
     assert world["answer"]["folders"][folder]["layers"] == expected_layers(folder)
+
+
+def test_verify_and_convert_handle_a_quantization_config_without_the_description(golden_copy, tmp_path):
+    """A folder written before the writer embedded the description (config.json says only
+    `{"quant_method": "ascend"}`) is what vllm-ascend fails on: verify names it, and convert
+    writes the description into config.json."""
+    from ascend_quant.formats.ascend import read_checkpoint
+    from ascend_quant.formats.convert import convert
+    from ascend_quant.formats.verify import verify
+
+    folder = golden_copy("v1_w8a8_dyn")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "ascend"}
+    (folder / "config.json").write_text(json.dumps(config))
+    problems = verify(folder).problems
+    assert len(problems) == 1 and "quantization_config holds no tensor keys" in problems[0], problems
+    out = convert(folder, tmp_path / "fixed").out
+    assert verify(out).ok, verify(out).problems
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "ascend"
+    assert {k: v for k, v in q.items() if "." in k} == read_checkpoint(out).description

@@ -136,8 +136,18 @@ def read_folder(path: str, prefixes: list[str]) -> dict:
     # else the class's default (vllm-ascend lists no config file names); then maybe_update_config.
     qc = AscendModelSlimConfig.from_config(hf_quant) if hf_quant is not None else AscendModelSlimConfig()
     qc.maybe_update_config(path)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     mapping = dict(Qwen2ForCausalLM.packed_modules_mapping)
     layers = {}
+    vllm_config = VllmConfig()          # some schemes (W4A8) read the current config when built
+    vllm_config.quant_config = qc
+    with set_current_vllm_config(vllm_config):
+        _pick_schemes(qc, prefixes, mapping, layers, create_scheme_for_layer)
+    return {"description_keys": len(qc.quant_description), "layers": layers}
+
+
+def _pick_schemes(qc, prefixes, mapping, layers, create_scheme_for_layer) -> None:
     for prefix in prefixes:
         try:
             if qc.is_layer_skipped_ascend(prefix, mapping):
@@ -147,7 +157,6 @@ def read_folder(path: str, prefixes: list[str]) -> dict:
                 layers[prefix] = type(scheme).__name__
         except Exception as e:
             layers[prefix] = f"error: {type(e).__name__}: {e}"
-    return {"description_keys": len(qc.quant_description), "layers": layers}
 
 
 def ask(root: Path, request: dict) -> dict:

@@ -577,13 +577,12 @@ def matches_any(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def config_with_quant_method(config: dict, recipe: Recipe) -> dict:
+def config_with_quant_method(config: dict) -> dict:
     """config.json for the output: msModelSlim drops quantization_config; we add ours so that
-    vLLM picks the `ascend` method without --quantization."""
+    vLLM picks the `ascend` method without --quantization (the writer puts the description in
+    it, which vllm-ascend needs)."""
     cfg = json.loads(json.dumps(config))
-    cfg["quantization_config"] = {"quant_method": "ascend", "scheme": recipe.scheme,
-                                  "group_size": recipe.group_size,
-                                  "kv_cache": "C8" if recipe.kv_cache else None}
+    cfg["quantization_config"] = {"quant_method": "ascend"}
     return cfg
 
 
@@ -699,7 +698,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         if bar is not None:
             bar.close()
     tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
-    config = config_with_quant_method(read_json(local / "config.json"), recipe)
+    config = config_with_quant_method(read_json(local / "config.json"))
     base_model, license_ = source_identity(model_id, local)
     meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
             "num_samples": n_samples, "seq_len": int(seq_len),
