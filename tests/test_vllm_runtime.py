@@ -236,6 +236,31 @@ def test_unknown_scheme_and_missing_layer_fail_before_loading(tmp_path):
     gc.collect()
 
 
+def _poison(folder: Path, name: str, value: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "quant_model_weights.safetensors"
+    state = load_file(f)
+    state[name] = state[name].clone()
+    state[name].view(-1)[3] = value
+    save_file(state, str(f))
+
+
+@pytest.mark.parametrize("name,value", [("model.layers.1.mlp.up_proj.weight_scale", float("nan")),
+                                        ("model.layers.0.self_attn.k_proj.weight_scale", 0.0)])
+def test_loader_refuses_bad_scales_before_serving(tmp_path, name, value):
+    """vLLM's loader path (no `verify` in front) stops at the first bad scale with one message
+    naming the tensor, instead of serving NaN or noise."""
+    from vllm import LLM
+
+    folder = _copy(fixture_dir("v1_w8a8_dyn"), tmp_path / "bad")
+    _poison(folder, name, value)
+    what = "NaN" if value != value else "zero"
+    with pytest.raises(Exception, match=rf"{name.replace('.', '[.]')} has 1 {what} value"):
+        LLM(str(folder), quantization="ascend", enforce_eager=True, dtype="float32", max_model_len=64)
+    gc.collect()
+
+
 # ----------------------------------------------------------------------------- coexistence
 
 def test_register_is_idempotent_and_yields_ascend_to_another_owner(monkeypatch):

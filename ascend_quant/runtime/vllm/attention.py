@@ -93,10 +93,12 @@ class AscendC8KVCacheMethod(BaseKVCacheMethod):
             if torch.any(getattr(layer, name) != 0):
                 raise ValueError(f"{self.prefix}: nonzero C8 {name}: only symmetric int8 KV caches are served "
                                  "(the NPU decode path ignores the offset too)")
+        from ascend_quant.formats.checks import tensor_problems
+
         for name in ("k_cache_scale", "v_cache_scale"):
-            s = getattr(layer, name)
-            if not bool(torch.all(torch.isfinite(s) & (s > 0))):
-                raise ValueError(f"{self.prefix}: C8 {name} has non-positive or non-finite values")
+            problems = tensor_problems(f"{self.prefix}.{name}", "C8", getattr(layer, name).data)
+            if problems:
+                raise ValueError(problems[0])
         layer.impl.c8_prepare(layer.k_cache_scale.data, layer.v_cache_scale.data)
 
 

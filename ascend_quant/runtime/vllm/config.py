@@ -134,7 +134,7 @@ class AscendQuantConfig(QuantizationConfig):
         return super().get_checkpoint_weight_mapper() | WeightsMapper(orig_to_new_regex=renames)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.linear import LinearBase
 
         from ascend_quant.runtime.vllm.linear import AscendQuantFloatLinearMethod, AscendQuantLinearMethod
 
@@ -154,7 +154,7 @@ class AscendQuantConfig(QuantizationConfig):
         scheme = next(iter(schemes.values()))
         norm_bias = self.norm_bias_key(prefix)
         if scheme == "FLOAT":
-            return AscendQuantFloatLinearMethod(norm_bias) if norm_bias else UnquantizedLinearMethod()
+            return AscendQuantFloatLinearMethod(prefix, norm_bias)
         if scheme not in AscendQuantLinearMethod.SCHEMES:
             raise ValueError(f"{self.description_file}: key {shards[0] + '.weight'!r} has quant type {scheme!r}, "
                              "which is not a Linear scheme")

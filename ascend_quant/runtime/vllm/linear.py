@@ -53,6 +53,29 @@ def _decoding_loader(loader):
     return load
 
 
+def refuse_bad_values(layer: torch.nn.Module, prefix: str, scheme: str, shards: list[str] | None = None) -> None:
+    """The value rules `verify` applies (formats.checks: finite positive scales, finite floats),
+    on the loaded parameters before any is used: a NaN or zero scale would otherwise serve NaN
+    or noise with no error anywhere. One error naming the first bad tensor by its checkpoint
+    name: a fused parameter (q/k/v, gate/up) is split back into its shards' rows first."""
+    from ascend_quant.formats.checks import tensor_problems
+
+    shards = shards or [prefix]
+    widths = list(getattr(layer, "logical_widths", None) or [])
+    for name, p in layer.named_parameters(recurse=False):
+        data = p.data
+        if len(shards) > 1 and data.dim() and data.shape[0] == len(shards):         # one value per shard
+            parts = list(zip(shards, data.split(1)))
+        elif len(shards) > 1 and len(widths) == len(shards) and data.dim() and data.shape[0] == sum(widths):
+            parts = list(zip(shards, data.split(widths)))
+        else:
+            parts = [(prefix, data)]
+        for shard, part in parts:
+            problems = tensor_problems(f"{shard}.{name}", scheme, part)
+            if problems:
+                raise ValueError(problems[0])
+
+
 def _add_norm_bias(layer: torch.nn.Module, input_size: int, weight_loader) -> None:
     layer.register_parameter("input_bias", BasevLLMParameter(
         data=torch.zeros(input_size, dtype=torch.float32), weight_loader=weight_loader))
@@ -160,6 +183,7 @@ class AscendQuantLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         t = {name: p.data for name, p in layer.named_parameters(recurse=False)
              if name not in ("bias", "input_bias")}
+        refuse_bad_values(layer, self.prefix, self.scheme, self.shards)
         if self.scheme == "W8A8":
             for name in ("input_scale", "input_offset"):
                 values = t[name].reshape(-1)
@@ -189,17 +213,26 @@ class AscendQuantLinearMethod(LinearMethodBase):
 
 @register_weight_loader_v2_supported_method
 class AscendQuantFloatLinearMethod(UnquantizedLinearMethod):
-    """A FLOAT Linear whose input norm carries a smoothing bias."""
+    """A FLOAT Linear: its loaded values are checked (finite), and an input norm's smoothing
+    bias, if the checkpoint has one, is added to its input."""
 
-    def __init__(self, norm_bias: str):
+    def __init__(self, prefix: str, norm_bias: str | None = None):
         super().__init__()
+        self.prefix = prefix
         self.norm_bias = norm_bias
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
                                output_size, params_dtype, **extra_weight_attrs)
-        _add_norm_bias(layer, input_size_per_partition, extra_weight_attrs["weight_loader"])
+        if self.norm_bias:
+            _add_norm_bias(layer, input_size_per_partition, extra_weight_attrs["weight_loader"])
+
+    def process_weights_after_loading(self, layer) -> None:
+        refuse_bad_values(layer, self.prefix, "FLOAT")
+        super().process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias=None):
-        return super().apply(layer, x + layer.input_bias.to(x.dtype), bias)
+        if self.norm_bias:
+            x = x + layer.input_bias.to(x.dtype)
+        return super().apply(layer, x, bias)
