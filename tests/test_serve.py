@@ -1,8 +1,9 @@
-"""`ascend-quant serve`: safe defaults (loopback, the folder's name, the key passed through and
-never printed), and one real server shared by the tests below: msModelSlim's W8A8_DYNAMIC
-fixture in vLLM's default compile mode (no --enforce-eager), as a user starts it.
+"""The commands that run vLLM as a user does, in subprocesses: `serve` (safe defaults:
+loopback, the folder's name, the key passed through and never printed; one real server shared
+by the tests, msModelSlim's W8A8_DYNAMIC fixture in vLLM's default compile mode, no
+--enforce-eager) and `eval --json --vllm` (one JSON document on stdout, exit status 0).
 
-Starting vLLM's server takes ~40 s on 2 cores, so `server` runs once per module; the last
+Starting vLLM's server takes ~60 s on 2 cores, so `server` runs once per module; its last
 test stops it by the PID `serve` prints, as the README says to.
 """
 
@@ -179,3 +180,73 @@ def test_sigterm_to_the_printed_pid_stops_vllm_and_exits_0(server):
     assert server.proc.wait(timeout=90) == 0, server.text()[-3000:]
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, alive
+
+
+# ----------------------------------------------------------------------------- eval --vllm
+
+def _vllm_env() -> dict[str, str]:
+    """The environment a user has: the multiprocess engine (vLLM's default; the in-process one
+    that other test modules select has no output thread to race), a small KV cache."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
+def test_eval_json_vllm_is_one_json_document_and_exits_0(tmp_path, reference_model):
+    """The issue's case: `eval --json --vllm --tokens 4096` on the reference model. Before the
+    fix, vLLM's log lines came first on stdout, and the process sometimes aborted after the
+    result (exit 134: 2 of ~45 runs of the vLLM part here; see evaluation/vllm_engine.py)."""
+    out = tmp_path / "w8a8-dynamic"
+    cli = [sys.executable, "-m", "ascend_quant.cli.main"]
+    subprocess.run([*cli, "calibrate", str(reference_model), "-o", str(out), "--scheme", "w8a8-dynamic",
+                    "--num-samples", "4", "--seq-len", "128"], check=True, capture_output=True, timeout=300)
+    r = subprocess.run([*cli, "eval", "--model", str(reference_model), "--quantized", str(out), "--json", "--vllm",
+                        "--tokens", "4096"], capture_output=True, text=True, env=_vllm_env(), timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)               # the whole of stdout, nothing before or after
+    assert result["tokens"] == 4096 and abs(result["vllm_vs_simulation"]) < 0.01, result
+    assert "INFO" in r.stderr                   # vLLM did log, to stderr
+
+
+_SLOW_OUTPUT_THREAD = """
+import json, sys, threading, time
+import zmq
+
+close = zmq.Socket.close
+
+
+def slow_close(self, linger=None):
+    # a busy machine: vLLM's output thread leaves late, after the engine was shut down
+    if threading.current_thread().name == "EngineCoreOutputQueueThread":
+        time.sleep(1.0)
+    return close(self, linger)
+
+
+zmq.Socket.close = slow_close
+
+if __name__ == "__main__":
+    from transformers import AutoTokenizer
+    from ascend_quant.calibration.data import eval_windows, load_texts
+    from ascend_quant.evaluation.vllm_perplexity import vllm_perplexity
+
+    model, texts = sys.argv[1], sys.argv[2]
+    windows = eval_windows(load_texts(texts, "eval"), AutoTokenizer.from_pretrained(model), 256, 64)
+    ppl = vllm_perplexity(model, windows, quantization="ascend", dtype="float32")
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    print(json.dumps({"ppl": ppl, "threads": left}))
+"""
+
+
+def test_no_vllm_thread_outlives_vllm_perplexity(tmp_path):
+    """What made the exit abort, made certain: vLLM's output thread still ran (and would free
+    its last decoded tensors) after `vllm_perplexity` had returned, so the interpreter could
+    finalize under it. Now the engine is shut down and the thread joined before the return."""
+    from conftest import FIXTURES
+
+    script = tmp_path / "slow_thread.py"
+    script.write_text(_SLOW_OUTPUT_THREAD)
+    r = subprocess.run([sys.executable, str(script), str(fixture_dir(FOLDER)), str(FIXTURES / "calib.jsonl")],
+                       capture_output=True, text=True, env=_vllm_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)               # and vLLM's log lines went to stderr
+    assert "EngineCoreOutputQueueThread" not in result["threads"], result

@@ -7,16 +7,19 @@ with vLLM's prompt log-probs, for any checkpoint vLLM serves (float, W8A8, C8 KV
 
 Every window is one prompt scored independently (its first token has no context and is not
 scored): `exp(sum of -log p(token | prefix) / scored tokens)`, as `perplexity()` computes from
-the logits. `llm=` reuses an engine; otherwise one is built (and freed) with `**llm_kwargs`.
+the logits. `llm=` reuses an engine; otherwise one is built with `**llm_kwargs` and shut
+down before returning (`vllm_engine.shutdown`: nothing of it may outlive the call). vLLM's
+log lines go to stderr meanwhile.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 
 import torch
+
+from ascend_quant.evaluation.vllm_engine import release, shutdown, stdout_to_stderr
 
 
 def eval_windows_for(model_dir, tokens: int = 4096, seq_len: int = 512) -> torch.Tensor:
@@ -48,32 +51,34 @@ def prompt_nll(llm, windows: torch.Tensor) -> tuple[float, int]:
     return total, count
 
 
+def _engine(model_dir, max_model_len: int, **llm_kwargs):
+    from vllm import LLM
+
+    kwargs = dict(max_model_len=max_model_len, enforce_eager=True, seed=0, enable_prefix_caching=False)
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        # a fixed KV budget: vLLM's CPU default reserves 92% of RAM and refuses to start
+        # when other processes hold more than 8% of it
+        kwargs["kv_cache_memory_bytes"] = 1 << 30
+    kwargs.update(llm_kwargs)
+    return LLM(str(model_dir), **kwargs)
+
+
 def vllm_perplexity(model_dir=None, windows: torch.Tensor | None = None, *, llm=None, tokens: int = 4096,
                     seq_len: int = 512, **llm_kwargs) -> float:
     """Perplexity of the windows (default: `eval_windows_for(model_dir, tokens, seq_len)`)."""
     if windows is None:
         windows = eval_windows_for(model_dir, tokens, seq_len)
     own = llm is None
-    if own:
-        from vllm import LLM
-
-        kwargs = dict(max_model_len=max(seq_len, int(windows.shape[1])) + 8, enforce_eager=True, seed=0,
-                      enable_prefix_caching=False)
-        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            # a fixed KV budget: vLLM's CPU default reserves 92% of RAM and refuses to start
-            # when other processes hold more than 8% of it
-            kwargs["kv_cache_memory_bytes"] = 1 << 30
-        kwargs.update(llm_kwargs)
-        llm = LLM(str(model_dir), **kwargs)
-    try:
-        total, count = prompt_nll(llm, windows)
-    finally:
+    with stdout_to_stderr():            # vLLM's log lines stay off a caller's machine-readable stdout
         if own:
-            from vllm.distributed import cleanup_dist_env_and_memory
-
-            del llm
-            gc.collect()
-            cleanup_dist_env_and_memory()
+            llm = _engine(model_dir, max(seq_len, int(windows.shape[1])) + 8, **llm_kwargs)
+        try:
+            total, count = prompt_nll(llm, windows)
+        finally:
+            if own:
+                shutdown(llm)
+                del llm
+                release()
     value = math.exp(total / count)
     if not math.isfinite(value):
         raise FloatingPointError("perplexity through vLLM is not finite")
