@@ -17,7 +17,6 @@ Ratios int8/bf16 are what to quote; absolute numbers drift on a shared machine.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -73,15 +72,6 @@ def make_llm(path: Path, quantization: str | None, kv_bytes: int, max_num_seqs: 
     return LLM(str(path), quantization=quantization, dtype="bfloat16", enforce_eager=True, seed=0,
                max_model_len=max_len, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_bytes,
                enable_prefix_caching=False, disable_log_stats=False, max_num_batched_tokens=batched)
-
-
-def release() -> None:
-    """After the caller dropped its last reference to the engine (`del llm`): free it now, so
-    its teardown cannot run later, inside the next engine."""
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 def prompts(n: int, length: int, seed: int) -> list[dict]:
@@ -147,6 +137,7 @@ def main() -> None:
     import torch
 
     from ascend_quant.assets import reference_model_dir
+    from ascend_quant.evaluation.vllm_engine import release, shutdown
 
     args = ARGS
     torch.set_num_threads(args.threads)
@@ -166,6 +157,7 @@ def main() -> None:
         e["kv"]["tokens_per_gib"] = e["kv"]["tokens"] / args.kv_gib
         print(f"  KV cache: {e['kv']['tokens']} tokens in {args.kv_gib} GiB", flush=True)
         e["throughput"] = run_throughput(llm, args, seed0=10)
+        shutdown(llm)
         del llm
         release()
         results["engines"][name] = e
@@ -179,6 +171,7 @@ def main() -> None:
         llm = make_llm(path, quant, long_bytes, args.long_seqs, max_len)
         r = run_long(llm, args, seed=99)
         r["kv_tokens"] = engine_kv(llm)["tokens"]
+        shutdown(llm)
         del llm
         release()
         results["long"][name] = r

@@ -135,6 +135,8 @@ def engine_child(argv) -> int:
     torch.set_num_threads(a.threads)
     from vllm import LLM, SamplingParams
 
+    from ascend_quant.evaluation.vllm_engine import shutdown
+
     n_pre, len_pre = PREFILL
     n_dec, len_dec, gen = DECODE
     t = time.perf_counter()
@@ -177,6 +179,7 @@ def engine_child(argv) -> int:
         return {"linear_bytes": linear, "linear_bf16_bytes": linear_bf16, "model_bytes": total}
 
     mem = llm.apply_model(weight_bytes)[0]
+    shutdown(llm)       # now, not at interpreter exit: an abort there would drop this engine's row
     print("E2E_RESULT " + json.dumps({"init_s": init_s, "prefill_tok_s": statistics.median(prefill),
                                       "prefill_runs": prefill,
                                       "decode_tok_s": n_dec / itl[len(itl) // 2] if itl else None,
