@@ -26,7 +26,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.parse
 import urllib.request
 from pathlib import Path
 
