@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import write_checkpoint
-from ascend_quant.models import is_row_parallel
+from ascend_quant.arch import DEFAULT as LLAMA_SPEC
 from conftest import FIXTURES, fixture_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -110,7 +110,7 @@ def quantize_tiny(model_dir: Path, out: Path, schemes: dict[str, str], *, group_
                 put(f"{p}.weight_scale", s, scheme)
                 put(f"{p}.weight_offset", torch.zeros_like(s), scheme)
             elif scheme in ("W4A8_DYNAMIC", "W4A8_GROUP"):
-                chunks = numerics.scale_bias_chunks(is_row_parallel(p))
+                chunks = numerics.scale_bias_chunks(LLAMA_SPEC.is_row_parallel(p))
                 if scheme == "W4A8_DYNAMIC":
                     w4, s = numerics.quantize_weight(w, 4)
                     sb = numerics.scale_bias(w4, s, chunks)

@@ -300,13 +300,13 @@ def test_smoothing_alphas_per_group_are_applied_and_recorded(tmp_path, tiny, cal
 def test_lean_mlp_computes_the_same_output(tiny):
     """The calibrator's in-place gated MLP gives the module's own output, bit for bit."""
     from transformers import AutoModelForCausalLM
-    from ascend_quant.models.adapters import adapter_for, lean_mlp
+    from ascend_quant.arch import lean_mlp, spec_for_model
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     layer = model.model.layers[0]
     x = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = layer.mlp(x)
-        with lean_mlp(layer, adapter_for(model)):
+        with lean_mlp(layer, spec_for_model(model)):
             got = layer.mlp(x)
         assert "forward" not in vars(layer.mlp)          # restored
     assert torch.equal(got, want)
@@ -559,7 +559,7 @@ def test_unknown_architecture(tmp_path, tiny, calib_jsonl):
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512)).save_pretrained(model)
     res = _run(["calibrate", str(model), "-o", str(tmp_path / "q"), "--dataset", calib_jsonl])
-    assert res.exit_code == 1 and "architecture 'gpt2'" in res.output and "no adapter" in res.output
+    assert res.exit_code == 1 and "architecture 'gpt2'" in res.output and "has no spec" in res.output
     assert cfg["model_type"] == "qwen2"
 
 

@@ -184,7 +184,7 @@ def _c8_tiny_checkpoint(src: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ascend_quant.formats.ascend import write_checkpoint
-    from ascend_quant.models.attention import kv_channels, wrap_attention
+    from ascend_quant.arch.attention import kv_channels, wrap_attention
     from runtime_helpers import calibration_texts
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()

@@ -28,7 +28,7 @@ from ascend_quant.calibration import pipeline, recipe as recipes
 from ascend_quant.calibration.pipeline import QuantizedLinear
 from ascend_quant.formats.ascend import DESCRIPTION_NAME, read_checkpoint, write_checkpoint
 from ascend_quant.formats.convert import convert
-from ascend_quant.models import is_row_parallel
+from ascend_quant.arch import DEFAULT as LLAMA_SPEC
 from ascend_quant.schemes import SCHEMES
 from conftest import FIXTURES, fixture_dir
 
@@ -196,7 +196,7 @@ def world(tmp_path_factory):
             n, k = ckpt.infos[f"{prefix}.weight"].shape
             n = n * 2 if SCHEMES[scheme].weight_bits == 4 else n        # int4 packed two per byte along n
             cases[f"{name}:{prefix}"] = {"id": f"{name}:{prefix}", "quant_type": scheme, "n": n, "k": k,
-                                         "params_dtype": "bfloat16", "row": is_row_parallel(prefix),
+                                         "params_dtype": "bfloat16", "row": LLAMA_SPEC.is_row_parallel(prefix),
                                          "description": desc, "folder": str(folders[name]), "prefix": prefix}
     request = {"linears": list(cases.values()),
                "folders": [{"path": str(p), "prefixes": VLLM_LINEARS} for p in folders.values()]}

@@ -29,8 +29,8 @@ from ascend_quant.calibration.observers import RangeObserver, mse_activation_ran
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import apply_smoothing, search_alpha, smoothing_factors
 from ascend_quant.calibration.kv import fake_quant_kv
-from ascend_quant.models.attention import install_attention_hook
-from ascend_quant.models.adapters import Adapter, LinearGroup, adapter_for, lean_mlp
+from ascend_quant.arch import ArchSpec, LinearGroup, lean_mlp, spec_for_model
+from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.schemes import SCHEMES
 
 # Tokens used for the per-Linear error report (a fixed subsample keeps it cheap).
@@ -271,7 +271,7 @@ class _GroupQuantizer:
         if not _all_finite(flat):
             raise CalibrationError(f"NaN or Inf in the input of {self.prefix}.{self.group.linears[0]} "
                                    "(check the model's dtype and the calibration data)")
-        # The group's input has no other reader (adapters.LinearGroup), so when all members
+        # The group's input has no other reader (arch.LinearGroup.sole_consumer), so when all members
         # compute with one version of it, smoothing and fake quantization overwrite it in
         # place instead of holding two more copies of the largest activation of the layer.
         in_place = (group.private_input and x.dtype == torch.float32 and len(set(self.schemes.values())) == 1
@@ -429,12 +429,12 @@ def _dispatch_kv_hook(module, key, value):
 # ------------------------------------------------------------------------ pipeline
 
 @torch.no_grad()
-def capture_layer_inputs(model, adapter: Adapter, samples: torch.Tensor,
+def capture_layer_inputs(model, spec: ArchSpec, samples: torch.Tensor,
                          position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Run the model up to its first decoder layer: (hidden states [N, L, H], layer kwargs).
     `position_ids` that restart inside a row make transformers mask each sample off from the
     others (samples sharing a row)."""
-    layer0 = adapter.layers(model)[0]
+    layer0 = spec.layers(model)[0]
     captured: dict = {}
 
     def grab(module, args, kwargs):
@@ -470,9 +470,9 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     Returns the quantized Linears by module name, the C8 scales by attention module name
     (k_scale, v_scale) and a report per layer.
     """
-    adapter = adapter_for(model)
+    spec = spec_for_model(model)
     install_attention_hook(model, _dispatch_kv_hook)
-    x, kwargs = capture_layer_inputs(model, adapter, samples, position_ids)
+    x, kwargs = capture_layer_inputs(model, spec, samples, position_ids)
     if stream is not None:       # embeddings and head are not needed again until the checkpoint is written
         stream.release_outer()
     if valid is None:
@@ -481,23 +481,23 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     results: dict[str, QuantizedLinear] = {}
     kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     reports: list[LayerReport] = []
-    layers = adapter.layers(model)
+    layers = spec.layers(model)
     for i, layer in enumerate(layers):
         start = time.perf_counter()
         if stream is not None:              # streamed: this layer's float weights arrive now
             stream.load_layer(i)
-        prefix = f"{adapter.layers_path}.{i}"
-        groups = [_GroupQuantizer(layer, g, prefix, recipe, results, valid) for g in adapter.groups]
+        prefix = f"{spec.layers_path}.{i}"
+        groups = [_GroupQuantizer(layer, g, prefix, recipe, results, valid) for g in spec.groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
-        attention = layer.get_submodule(adapter.attention)
+        attention = layer.get_submodule(spec.attention)
         running = recipe.activations.observer == "running"
         if recipe.kv_cache and not running:
             kvq = _KVQuantizer(recipe.kv_cache.method, valid)
             setattr(attention, _KV_HOOK_ATTR, kvq.hook)
         x_in = x
         try:
-            with lean_mlp(layer, adapter):
+            with lean_mlp(layer, spec):
                 out = layer(x, **kwargs)
         finally:
             for h in handles:
@@ -511,7 +511,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         if not _all_finite(x):
             raise CalibrationError(f"NaN or Inf in the output of {prefix} after quantization")
         if kvq is not None:
-            kv_scales[f"{prefix}.{adapter.attention}"] = (kvq.k_scale, kvq.v_scale)
+            kv_scales[prefix] = (kvq.k_scale, kvq.v_scale)
         if release_weights:
             for name in results:
                 if name.startswith(prefix + "."):
@@ -548,6 +548,7 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
     """Every tensor of the output checkpoint and its description type. Float tensors still
     on the meta device (released by a streamed calibration, unchanged from the source) come
     out as meta tensors of the output dtype: the writer's `loader` reads them."""
+    spec = spec_for_model(model)
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
     for prefix, qlin in results.items():
@@ -561,11 +562,12 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
         dtype = _float_dtype(model_dtype)
         tensors[name] = torch.empty(param.shape, dtype=dtype, device="meta") if param.is_meta else param.detach().to(dtype)
         types[name] = "FLOAT"
-    for attn, (k_scale, v_scale) in kv_scales.items():
-        for proj, scale in (("k_proj", k_scale), ("v_proj", v_scale)):
-            tensors[f"{attn}.{proj}.kv_cache_scale"] = scale.float()
-            tensors[f"{attn}.{proj}.kv_cache_offset"] = torch.zeros_like(scale, dtype=torch.float32)
-            types[f"{attn}.{proj}.kv_cache_scale"] = types[f"{attn}.{proj}.kv_cache_offset"] = "C8"
+    for layer_prefix, (k_scale, v_scale) in kv_scales.items():      # C8 scales sit on the K/V projections
+        for proj, scale in zip(spec.kv_projections, (k_scale, v_scale)):
+            name = f"{layer_prefix}.{proj}"
+            tensors[f"{name}.kv_cache_scale"] = scale.float()
+            tensors[f"{name}.kv_cache_offset"] = torch.zeros_like(scale, dtype=torch.float32)
+            types[f"{name}.kv_cache_scale"] = types[f"{name}.kv_cache_offset"] = "C8"
     return tensors, types
 
 
@@ -671,7 +673,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     torch.manual_seed(seed)
     loaded = load_model(model_id, device)
     tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
-    adapter_for(model)      # fail early on an unsupported architecture
+    spec_for_model(model)      # fail early on an unsupported architecture
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
     per_sample = recipe.activations.observer == "running" or (
@@ -682,7 +684,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     bar = None
     if show_progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(adapter_for(model).layers(model)), desc="calibrating", unit="layer")
+        bar = tqdm(total=len(spec_for_model(model).layers(model)), desc="calibrating", unit="layer")
 
     def progress(report: LayerReport) -> None:
         if bar is not None:

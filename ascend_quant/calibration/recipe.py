@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from ascend_quant.calibration.kv import KV_METHODS
-from ascend_quant.models.adapters import LLAMA_LIKE
+from ascend_quant.arch import FAMILIES
 from ascend_quant.schemes import CLI_NAMES, SCHEMES
 
 RECIPE_FILE = "ascend_quant_recipe.yaml"
@@ -239,7 +239,7 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
     if sq and not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0
                       for a in [sq.alpha, *sq.alphas, *sq.group_alpha.values()]):
         raise RecipeError(f"{where}: smoothquant alpha, alphas and group_alpha must be within [0, 1]")
-    groups = {g.name for g in LLAMA_LIKE.groups}
+    groups = {g.name for spec in FAMILIES for g in spec.groups}
     if sq and set(sq.group_alpha) - groups:
         raise RecipeError(f"{where}: smoothquant.group_alpha: unknown group(s) "
                           f"{', '.join(sorted(set(sq.group_alpha) - groups))} (groups: {', '.join(sorted(groups))})")

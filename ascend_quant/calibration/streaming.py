@@ -81,7 +81,7 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ascend_quant.models.adapters import adapter_for
+        from ascend_quant.arch import spec_for_model
 
         self.folder, self.device = Path(folder), device
         self.files = WeightFiles(self.folder)
@@ -90,7 +90,7 @@ class StreamedModel:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.eval()
         self.model = model
-        self.adapter = adapter_for(model)
+        self.spec = spec_for_model(model)
         names = list(model.state_dict())
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         out_emb = model.get_output_embeddings()
@@ -100,7 +100,7 @@ class StreamedModel:
         missing = [n for n in needed if n not in self.files.where]
         if missing:
             raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
-        layers = self.adapter.layers_path + "."
+        layers = self.spec.layers_path + "."
         self.outer_names = [n for n in needed if not n.startswith(layers)]
         self.layer_names: dict[int, list[str]] = defaultdict(list)
         for n in needed:

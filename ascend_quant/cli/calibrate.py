@@ -38,7 +38,7 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
     from ascend_quant.calibration import recipe as recipes
     from ascend_quant.calibration.data import DataError
     from ascend_quant.calibration.pipeline import CalibrationError, calibrate, format_reports
-    from ascend_quant.models.adapters import UnsupportedModelError
+    from ascend_quant.arch import UnsupportedModelError
 
     if threads:
         torch.set_num_threads(threads)

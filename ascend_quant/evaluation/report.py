@@ -53,12 +53,12 @@ class EvalResult:
 
 def _layer_outputs(model, windows: torch.Tensor) -> list[torch.Tensor]:
     """Hidden states after every decoder layer for one batch."""
-    from ascend_quant.models.adapters import adapter_for
+    from ascend_quant.arch import spec_for_model
 
     outs: list[torch.Tensor] = []
     hooks = [layer.register_forward_hook(
         lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o).detach()))
-        for layer in adapter_for(model).layers(model)]
+        for layer in spec_for_model(model).layers(model)]
     try:
         with torch.inference_mode():
             model(input_ids=windows, use_cache=False)

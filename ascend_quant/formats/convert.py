@@ -64,7 +64,8 @@ from ascend_quant.formats.verify import structure_problems
 from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_NAME, Checkpoint, CheckpointError,
                                          kv_geometry, load_json_object, read_checkpoint,
                                          write_checkpoint)
-from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
+from ascend_quant.arch import ArchSpec, spec_for_config
+from ascend_quant.arch.spec import LAYER_PATTERN
 from ascend_quant.schemes import SCHEMES
 
 TARGETS = ("ascend-v1", "compressed-tensors")
@@ -374,9 +375,9 @@ def _regex_targets(names: list[str], all_names: set[str]) -> list[str]:
     for name in names:
         if name in done:
             continue
-        m = re.search(r"\.layers\.\d+\.", name)
-        if m:
-            pattern = re.escape(name[:m.start()]) + r"\.layers\.\d+\." + re.escape(name[m.end():]) + "$"
+        split = ArchSpec.split_layer(name)
+        if split:
+            pattern = re.escape(split[0]) + LAYER_PATTERN + re.escape(split[2]) + "$"
             covered = {n for n in all_names if re.match(pattern, n)}
             if covered and covered <= set(names):
                 out.append("re:" + pattern)
@@ -532,6 +533,7 @@ def _c8_to_ct(kv: dict[str, torch.Tensor], ckpt: Checkpoint, config: dict) -> tu
     """C8 per-channel scales -> compressed-tensors k_scale/v_scale: per-tensor when every channel
     has the same scale, per-head (attn_head) when constant within each head; else refused."""
     geometry = kv_geometry(config)
+    spec = spec_for_config(config)
     out: dict[str, torch.Tensor] = {}
     strategies = set()
     for name, scale in kv.items():
@@ -541,7 +543,6 @@ def _c8_to_ct(kv: dict[str, torch.Tensor], ckpt: Checkpoint, config: dict) -> tu
                                       "no compressed-tensors equivalent")
             continue
         proj_prefix = name.rpartition(".")[0]
-        attn, _, proj = proj_prefix.rpartition(".")
         s = scale.float().reshape(-1)
         if bool(torch.all(s == s[0])):
             strategies.add("tensor")
@@ -554,7 +555,8 @@ def _c8_to_ct(kv: dict[str, torch.Tensor], ckpt: Checkpoint, config: dict) -> tu
             raise ConversionError(f"{ckpt.tensor_files[name].name}: {name} holds per-channel int8 KV scales; "
                                   "compressed-tensors' KV cache is per-tensor or per-head only (pass "
                                   "--drop-kv-cache to convert the weights without it)")
-        out[f"{attn}.{proj[0]}_scale"] = value
+        # compressed-tensors keeps the KV scales on the attention module: <attention>.k_scale
+        out[f"{spec.layer_prefix(proj_prefix)}.{spec.attention}.{spec.kv_role(proj_prefix)}_scale"] = value
     if len(strategies) > 1:
         raise ConversionError(f"{ckpt.description_file.name}: C8 scales mix per-tensor and per-head layers; "
                               "compressed-tensors has one kv_cache_scheme")
@@ -606,7 +608,7 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
     for prefix, layer in per_layer.items():
         if layer["scheme"] != "W8A8":
             continue
-        for sib in fused_siblings(prefix) or ():
+        for sib in spec_for_config(config).fused_siblings(prefix) or ():
             other = per_layer.get(sib)
             if other is None or other["scheme"] != "W8A8":
                 continue
@@ -736,7 +738,7 @@ def _ct_linear_to_ascend(ct: ctf.CTCheckpoint, g: ctf.Group, prefix: str, t: Map
                 raise ConversionError(f"{where}: per-group int8 weights with int8 activations have no Ascend "
                                       "equivalent (W8A8_DYNAMIC is per-channel)")
             return "W8A8_DYNAMIC", {"weight": q, "weight_scale": channel, "weight_offset": zeros(channel)}, q, None
-        chunks = numerics.scale_bias_chunks(is_row_parallel(prefix))
+        chunks = numerics.scale_bias_chunks(spec_for_config(ct.config).is_row_parallel(prefix))
         packed = _pack_n(q, where)
         if k % chunks:
             raise ConversionError(f"{where}: in-features {k} do not split into {chunks} scale_bias chunks")
@@ -798,6 +800,7 @@ def _ct_kv_to_c8(ct: ctf.CTCheckpoint, t: Mapping[str, torch.Tensor], kv_names: 
     if geometry is None:
         raise ConversionError(f"{ct.path}: KV scales need config.json (num_key_value_heads, head_dim)")
     heads, head_dim = geometry
+    spec = spec_for_config(config)
     out: dict[str, torch.Tensor] = {}
     for name in kv_names:
         attn, _, suffix = name.rpartition(".")
@@ -810,14 +813,15 @@ def _ct_kv_to_c8(ct: ctf.CTCheckpoint, t: Mapping[str, torch.Tensor], kv_names: 
             channel = s.repeat_interleave(head_dim)
         else:
             raise ConversionError(f"{ct.file_of(name)}: {name} has {s.numel()} values; expected 1 or {heads}")
-        proj = f"{attn}.{suffix[0]}_proj"
-        if suffix[0] not in ("k", "v") or proj.rpartition(".")[2] not in KV_PROJECTIONS:
+        layer = spec.layer_prefix(attn)
+        if layer is None or attn != f"{layer}.{spec.attention}":
             continue
+        proj = f"{layer}.{spec.kv_projections['kv'.index(suffix[0])]}"
         out[f"{proj}.kv_cache_scale"] = channel
         out[f"{proj}.kv_cache_offset"] = torch.zeros_like(channel)
-    layers = {n.rpartition(".")[0].rpartition(".")[0] for n in out}
-    for attn in layers:
-        for p in KV_PROJECTIONS:
-            if f"{attn}.{p}.kv_cache_scale" not in out:
-                raise ConversionError(f"{ct.config_file}: {attn} has KV scales but no {p[0]}_scale")
+    layers = {spec.layer_prefix(n) for n in out}
+    for layer in sorted(layers):
+        for role, p in zip("kv", spec.kv_projections):
+            if f"{layer}.{p}.kv_cache_scale" not in out:
+                raise ConversionError(f"{ct.config_file}: {layer}.{spec.attention} has KV scales but no {role}_scale")
     return out

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ascend_quant.arch import spec_for_config
 from ascend_quant.formats.ascend import Checkpoint, kv_geometry, text_config
 from ascend_quant.schemes import SCHEMES
 
@@ -85,7 +86,9 @@ def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
     if not isinstance(layers, int) or layers <= 0 or geometry is None:
         return None
     kv_heads, head_dim = geometry
-    c8 = sum(1 for k, v in ckpt.description.items() if k.endswith(".k_proj.kv_cache_scale") and v == "C8")
+    spec = spec_for_config(ckpt.config)
+    c8 = sum(1 for k, v in ckpt.description.items()
+             if v == "C8" and k.endswith(".kv_cache_scale") and spec.kv_cache_parent(k) is not None)
     c8 = min(c8, layers)
     per_layer = 2 * kv_heads * head_dim
     stored = per_layer * (c8 * 1 + (layers - c8) * fsize)

@@ -8,7 +8,6 @@ hold a bad one (`formats.checks`: scales, offsets, float tensors), read one at a
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import Checkpoint, CheckpointError, TensorInfo, kv_geometry, read_checkpoint
 from ascend_quant.formats.checks import checkpoint_value_problems
-from ascend_quant.models import KV_PROJECTIONS, fused_siblings, is_row_parallel
+from ascend_quant.arch import spec_for_config
 from ascend_quant.schemes import SCHEMES, W4A8_GROUP_TENSORS
 
 
@@ -35,7 +34,6 @@ class Report:
         return {"path": self.path, "ok": self.ok, "problems": self.problems, "notes": self.notes}
 
 
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 # Per scheme: suffix -> (allowed dtypes, shape rule). Shape rules get (n, k, groups)
 # where n, k are the float weight's out/in features.
@@ -235,7 +233,7 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) ->
                                    f"expected {list(want_shape)}")
     if scheme == "W4A8_DYNAMIC":
         sb = _info(ckpt, f"{prefix}.scale_bias")
-        chunks = numerics.scale_bias_chunks(is_row_parallel(prefix))
+        chunks = numerics.scale_bias_chunks(spec_for_config(ckpt.config).is_row_parallel(prefix))
         if sb is None:
             report.problems.append(f"{fname}: W4A8_DYNAMIC layer {prefix} has no 'scale_bias' tensor")
         elif tuple(sb.shape) != (n, chunks):
@@ -284,18 +282,19 @@ def _numel(shape) -> int:
 
 def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
     """Every decoder layer has the same Linear `.weight` keys (a missing one is a KeyError)."""
-    by_layer: dict[int, set[tuple[str, str]]] = {}     # layer -> (text before, after ".layers.i.")
+    spec = spec_for_config(ckpt.config)
+    by_layer: dict[int, set[tuple[str, str]]] = {}     # layer -> (text before, after the layer index)
     for name in ckpt.description:
-        m = _LAYER_RE.search(name)
-        if m and name.endswith(".weight"):
-            by_layer.setdefault(int(m.group(1)), set()).add((name[:m.start()], name[m.end():]))
+        split = spec.split_layer(name)
+        if split and name.endswith(".weight"):
+            by_layer.setdefault(split[1], set()).add((split[0], split[2]))
     n_layers = (ckpt.config or {}).get("num_hidden_layers")
     if not isinstance(n_layers, int):
         n_layers = max(by_layer) + 1 if by_layer else 0
     union = set().union(*by_layer.values()) if by_layer else set()
     for i in sorted(i for i in by_layer if i < n_layers):
         for before, after in sorted(union - by_layer[i]):
-            key = f"{before}.layers.{i}.{after}"
+            key = spec.join_layer(before, i, after)
             report.problems.append(f"{ckpt.description_file.name}: layer {i} has no key {key!r} "
                                    "(every Linear needs a .weight entry)")
     present = sum(1 for i in by_layer if i < n_layers)
@@ -307,9 +306,10 @@ def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
 
 def _check_fused(ckpt: Checkpoint, report: Report) -> None:
     modules = ckpt.modules()
+    spec = spec_for_config(ckpt.config)
     seen: set[str] = set()
     for prefix in modules:
-        group = fused_siblings(prefix)
+        group = spec.fused_siblings(prefix)
         if not group or group[0] in seen:
             continue
         seen.add(group[0])
@@ -344,13 +344,14 @@ def _check_kv(ckpt: Checkpoint, report: Report) -> None:
     if ckpt.meta.get("kv_cache_type") != "C8":
         report.problems.append(f"{ckpt.description_file.name}: C8 tensors present but top-level "
                                "'kv_cache_type' is not 'C8'")
+    spec = spec_for_config(ckpt.config)
     geometry = kv_geometry(ckpt.config)
     width = geometry[0] * geometry[1] if geometry else None
     for name in kv_names:
         prefix, _, suffix = name.rpartition(".")
-        if suffix not in ("kv_cache_scale", "kv_cache_offset") or prefix.rpartition(".")[2] not in KV_PROJECTIONS:
+        if suffix not in ("kv_cache_scale", "kv_cache_offset") or not spec.is_kv_projection(prefix):
             report.problems.append(f"{ckpt.description_file.name}: {name!r} is typed C8 but is not a "
-                                   "k_proj/v_proj kv_cache_scale or kv_cache_offset")
+                                   f"{'/'.join(spec.kv_projections)} kv_cache_scale or kv_cache_offset")
             continue
         info = _info(ckpt, name)
         if info is None:
@@ -362,9 +363,9 @@ def _check_kv(ckpt: Checkpoint, report: Report) -> None:
         elif suffix == "kv_cache_offset" and _nonzero(ckpt.tensor(name)):
             report.problems.append(f"{_rel(ckpt, name)}: {name} is not zero; the NPU decode path is "
                                    "symmetric only")
-    for proj in KV_PROJECTIONS:
-        scales = {n.rpartition(f".{proj}.")[0] for n in kv_names if f".{proj}.kv_cache_scale" in n}
-        other = {n.rpartition(".")[0].rpartition(".")[0] for n in kv_names}
-        for attn in sorted(other - scales):
-            report.problems.append(f"{ckpt.description_file.name}: {attn} has C8 tensors but no "
-                                   f"{proj}.kv_cache_scale")
+    layers = {spec.layer_prefix(n.rpartition(".")[0]) for n in kv_names} - {None}
+    for layer in sorted(layers):
+        for proj in spec.kv_projections:
+            if f"{layer}.{proj}.kv_cache_scale" not in ckpt.description:
+                report.problems.append(f"{ckpt.description_file.name}: {layer} has C8 tensors but no "
+                                       f"{proj}.kv_cache_scale")

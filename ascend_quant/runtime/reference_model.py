@@ -21,7 +21,8 @@ from torch import nn
 
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import CheckpointError, read_checkpoint
-from ascend_quant.models.attention import install_attention_hook
+from ascend_quant.arch import ArchSpec, spec_for_config
+from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.runtime.kernels import backend as kernel_backend
 from ascend_quant.runtime.qlinear import LINEAR_SCHEMES, QuantLinear
 
@@ -81,7 +82,7 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     kv_scales: dict[str, torch.Tensor] = {}
     for prefix, mod in modules.items():
         scheme = mod.weight_scheme
-        for suffix in mod.suffixes:           # C8 scales sit on k_proj/v_proj, quantized or not
+        for suffix in mod.suffixes:           # C8 scales sit on the K/V projections, quantized or not
             if mod.scheme_of(suffix) == "C8":
                 kv_scales[f"{prefix}.{suffix}"] = tensors[f"{prefix}.{suffix}"]
         if scheme in LINEAR_SCHEMES:
@@ -117,20 +118,19 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     for prefix, bias in norm_biases.items():
         _set_module(model, prefix, NormWithBias(model.get_submodule(prefix), bias))
     if kv_cache and kv_scales:
-        enable_c8_simulation(model, kv_scales)
+        enable_c8_simulation(model, kv_scales, spec_for_config(ckpt.config))
     return model
 
 
-def enable_c8_simulation(model: nn.Module, kv_scales: dict[str, torch.Tensor]) -> None:
+def enable_c8_simulation(model: nn.Module, kv_scales: dict[str, torch.Tensor], spec: ArchSpec) -> None:
     """Fake-quantize post-RoPE K and V per channel with each layer's C8 scale, as the int8
     cache would store them: `k = clamp(round(k / s), -128, 127) * s`, s indexed h * head_dim + d."""
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in kv_scales.items():
         if not name.endswith(".kv_cache_scale"):
             continue
-        parts = name.split(".")
-        layer = int(parts[parts.index("layers") + 1])
-        by_layer.setdefault(layer, {})["k" if ".k_proj." in name else "v"] = t.float()
+        projection = name.rpartition(".")[0]
+        by_layer.setdefault(spec.layer_index(name), {})[spec.kv_role(projection)] = t.float()
 
     def fake_quant(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         _, heads, _, head_dim = t.shape

@@ -7,10 +7,11 @@ or, with `--quantization ascend`, with no arguments; in both cases `maybe_update
 `quant_model_description.json` (or the older names `formats.ascend` accepts) and its
 safetensors headers. Every error names the file and the key, and comes before any weight loads.
 
-Norm biases (smoothing): vLLM's RMSNorm has no bias. The checkpoint weight mapper renames
-`<layer>.input_layernorm.bias` to `<layer>.self_attn.qkv_proj.input_bias` (and
-`post_attention_layernorm` to `mlp.gate_up_proj`), and the consuming Linear's method adds it
-to its input: `W (norm(x) + b)` is exactly what the checkpoint means, because those norms feed
+Norm biases (smoothing): vLLM's RMSNorm has no bias. The checkpoint weight mapper renames a
+norm's bias to an `input_bias` of the (vLLM-fused) Linear that alone reads that norm (the
+architecture spec's `norm_consumers`: in the Llama layout `input_layernorm` -> `self_attn.qkv_proj`,
+`post_attention_layernorm` -> `mlp.gate_up_proj`), and the consuming Linear's method adds it to
+its input: `W (norm(x) + b)` is exactly what the checkpoint means, because those norms feed
 only those Linears (the residual stream takes the un-normed sum).
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from ascend_quant.formats.ascend import CheckpointError, DESCRIPTION_NAME, TOP_LEVEL_KEYS, read_checkpoint
-from ascend_quant.models import FUSED_GROUPS
+from ascend_quant.arch import DEFAULT as DEFAULT_SPEC, ArchSpec, spec_for_config
 from ascend_quant.schemes import SCHEMES
 
 from vllm.logger import init_logger
@@ -34,8 +35,6 @@ serving_log = init_logger("vllm.ascend_quant")     # vLLM's handler: shows in th
 
 METHOD_NAME = "ascend"
 ALIAS_NAME = "ascend_quant"
-# RMSNorm -> the (vLLM-fused) Linear that alone consumes its output, per decoder layer.
-NORM_CONSUMERS = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.gate_up_proj"}
 NORM_BIAS_PARAM = "input_bias"
 
 
@@ -54,6 +53,7 @@ class AscendQuantConfig(QuantizationConfig):
         self.hf_quant_config = dict(hf_quant_config or {})
         self.description_file = DESCRIPTION_NAME
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.spec: ArchSpec = DEFAULT_SPEC       # the checkpoint's family, from its config.json
         self._warned_c8 = False
 
     def __repr__(self) -> str:
@@ -107,6 +107,7 @@ class AscendQuantConfig(QuantizationConfig):
         self.meta = dict(ckpt.meta)
         self.description_file = str(ckpt.description_file)
         self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in ckpt.infos.items()}
+        self.spec = spec_for_config(ckpt.config)
         self.validate()
 
     def validate(self) -> None:
@@ -115,22 +116,26 @@ class AscendQuantConfig(QuantizationConfig):
             if qtype not in SCHEMES:
                 raise ValueError(f"{self.description_file}: key {key!r} has unknown quant type {qtype!r} "
                                  f"(known: {', '.join(SCHEMES)})")
-            if key.endswith("norm.bias") and ".layers." in key:
-                norm = key.rsplit(".", 2)[-2]
-                if norm not in NORM_CONSUMERS:
+            consumers = self.spec.norm_consumers()
+            if key.endswith("norm.bias") and self.spec.layer_index(key) is not None:
+                norm = self.spec.relative(key[: -len(".bias")])
+                if norm not in consumers:
                     raise ValueError(f"{self.description_file}: key {key!r}: a bias on {norm!r} is not supported "
-                                     f"(only {', '.join(NORM_CONSUMERS)})")
+                                     f"(only {', '.join(consumers)})")
             elif key.endswith("norm.bias"):
                 raise ValueError(f"{self.description_file}: key {key!r}: a bias on the final norm is not supported")
 
     def get_checkpoint_weight_mapper(self):
         from vllm.model_executor.models.utils import WeightsMapper
 
-        renames = {re.compile(rf"\.{norm}\.bias$"): f".{linear}.{NORM_BIAS_PARAM}"
-                   for norm, linear in NORM_CONSUMERS.items()}
-        # C8: <attn parent>.k_proj.kv_cache_scale -> <attn parent>.attn.k_cache_scale (the attention
-        # layer's parameters, see runtime.vllm.attention); before the q/k/v -> qkv_proj stacking
-        renames[re.compile(r"\.([kv])_proj\.kv_cache_(scale|offset)$")] = r".attn.\1_cache_\2"
+        spec = self.spec
+        renames = {re.compile(rf"\.{re.escape(norm)}\.bias$"): f".{linear}.{NORM_BIAS_PARAM}"
+                   for norm, linear in spec.norm_consumers().items()}
+        # C8: <layer>.<K projection>.kv_cache_scale -> <layer>.<vLLM attention>.k_cache_scale (the
+        # attention layer's parameters, see runtime.vllm.attention); before the q/k/v stacking
+        for role, proj in zip("kv", spec.kv_projections):
+            renames[re.compile(rf"\.{re.escape(proj)}\.kv_cache_(scale|offset)$")] = \
+                f".{spec.vllm_attention}.{role}_cache_\\1"
         return super().get_checkpoint_weight_mapper() | WeightsMapper(orig_to_new_regex=renames)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
@@ -162,8 +167,9 @@ class AscendQuantConfig(QuantizationConfig):
 
     def c8_layers(self) -> list[str]:
         """Checkpoint prefixes (e.g. model.layers.3.self_attn) that carry C8 KV-cache scales."""
-        return sorted(k[: -len(".k_proj.kv_cache_scale")] for k, v in self.description.items()
-                      if k.endswith(".k_proj.kv_cache_scale") and v == "C8")
+        return sorted(p for k, v in self.description.items()
+                      if v == "C8" and (p := self.spec.kv_cache_parent(k)) is not None
+                      and k.endswith(".kv_cache_scale"))
 
     def kv_cache_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The C8 method for an attention layer whose checkpoint has KV-cache scales; None otherwise
@@ -172,8 +178,9 @@ class AscendQuantConfig(QuantizationConfig):
 
         if not isinstance(layer, Attention):
             return None
-        parent = prefix.rpartition(".")[0]
-        keys = [f"{parent}.{p}_proj.kv_cache_scale" for p in "kv"]
+        layer_prefix = prefix[: -len(self.spec.vllm_attention) - 1] if prefix.endswith(
+            "." + self.spec.vllm_attention) else prefix.rpartition(".")[0]
+        keys = [f"{layer_prefix}.{p}.kv_cache_scale" for p in self.spec.kv_projections]
         present = [k in self.description for k in keys]
         if not any(present):
             return None
@@ -191,13 +198,13 @@ class AscendQuantConfig(QuantizationConfig):
     def shard_prefixes(self, prefix: str) -> list[str]:
         """Checkpoint prefixes behind a vLLM Linear (q/k/v behind qkv_proj)."""
         parent, _, leaf = prefix.rpartition(".")
-        members = self.packed_modules_mapping.get(leaf) or FUSED_GROUPS.get(leaf)
+        members = self.packed_modules_mapping.get(leaf) or self.spec.vllm_fused_members(leaf)
         if not members:
             return [prefix]
         return [f"{parent}.{m}" if parent else m for m in members]
 
     def norm_bias_key(self, prefix: str) -> str | None:
-        for norm, linear in NORM_CONSUMERS.items():
+        for norm, linear in self.spec.norm_consumers().items():
             if prefix.endswith("." + linear):
                 key = f"{prefix[: -len(linear)]}{norm}.bias"
                 return key if key in self.description else None
