@@ -141,6 +141,132 @@ def test_native_attention_writes_bf16_output_rows_in_place():
     assert bool((out[s["q"].shape[0]:] == 7).all())                  # padding rows untouched
 
 
+# ----------------------------------------------------------------------------- sliding window, soft-cap
+
+# the scenario's contexts are (70, 33, 5, 129): windows below, equal to and above each of them
+WINDOWS = [1, 16, 33, 70, 129, 500]
+
+
+def _window_mask(ctx: int, qlen: int, window: int) -> torch.Tensor:
+    """[qlen, ctx] built element by element: query i sits at p = ctx - qlen + i and sees key j
+    iff p - window < j <= p (HF's and vLLM's sliding window)."""
+    mask = torch.zeros(qlen, ctx, dtype=torch.bool)
+    for i in range(qlen):
+        p = ctx - qlen + i
+        for j in range(ctx):
+            mask[i, j] = p - window < j <= p
+    return mask
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_reference_sliding_window_is_plain_attention_with_an_explicit_window_mask(window, softcap):
+    """The oracle with a window (and Gemma-2's soft-cap): per request, plain attention over the
+    round-tripped K/V with the window mask built independently."""
+    s = _scenario()
+    cache = _written(s)
+    out = c8.attention_reference(s["q"], cache, s["ks"], s["vs"], s["qsl"], s["sl"], s["bt"], 0.125,
+                                 sliding_window=window, softcap=softcap)
+    keep = s["slots"] >= 0
+    k_all = c8.quantize_kv(s["key"][keep], s["ks"]).float() * s["ks"].view(1, s["hkv"], s["d"])
+    v_all = c8.quantize_kv(s["value"][keep], s["vs"]).float() * s["vs"].view(1, s["hkv"], s["d"])
+    g = s["h"] // s["hkv"]
+    start = 0
+    for r, ctx in enumerate(s["sl"].tolist()):
+        k, v = k_all[start:start + ctx], v_all[start:start + ctx]
+        start += ctx
+        q = s["q"][s["qsl"][r]:s["qsl"][r + 1]]
+        mask = _window_mask(ctx, q.shape[0], window)
+        if softcap is None:
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=0.125,
+                enable_gqa=True)
+        else:
+            kk, vv = k.transpose(0, 1).repeat_interleave(g, 0), v.transpose(0, 1).repeat_interleave(g, 0)
+            logits = q.transpose(0, 1) @ kk.transpose(1, 2) * 0.125
+            logits = softcap * torch.tanh(logits / softcap)
+            ref = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ vv
+        torch.testing.assert_close(out[s["qsl"][r]:s["qsl"][r + 1]], ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_and_softcap_change_the_result():
+    """Guards the tests above against vacuous settings: both options move the output."""
+    s = _scenario()
+    cache = _written(s)
+    args = (s["q"], cache, s["ks"], s["vs"], s["qsl"], s["sl"], s["bt"], 0.125)
+    plain = c8.attention_reference(*args)
+    assert not torch.allclose(c8.attention_reference(*args, sliding_window=16), plain, atol=1e-3)
+    assert not torch.allclose(c8.attention_reference(*args, softcap=2.0), plain, atol=1e-3)
+    assert torch.equal(c8.attention_reference(*args, sliding_window=-1), plain)        # vLLM's "no window"
+    assert torch.equal(c8.attention_reference(*args, sliding_window=500), plain)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [dict(h=9, hkv=3, d=64, bs=32), dict(h=4, hkv=2, d=32, bs=128),
+                                   dict(h=8, hkv=8, d=64, bs=16)])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_fast_attention_with_sliding_window_matches_reference(impl, shape, window, softcap):
+    """Chunked prefill, decodes, a full prefill and a decode opening a block, GQA and MHA."""
+    s = _scenario(**shape)
+    cache = _written(s)
+    args = (s["q"], cache, s["ks"], s["vs"], s["qsl"], s["sl"], s["bt"], 0.125)
+    opts = dict(sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(c8.attention(*args, impl=impl, **opts), c8.attention_reference(*args, **opts),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [64, 200, 4096])
+def test_fast_attention_sliding_window_long_prefill_and_many_decodes(impl, window):
+    """A 300-token chunk after a 200-token prefix next to 12 decodes, bf16 queries, Gemma-2's cap 50."""
+    ctx = (500,) + tuple(40 + 17 * i for i in range(12))
+    s = _scenario(ctx=ctx, qlen=(300,) + (1,) * 12, dtype=torch.bfloat16, bs=32)
+    cache = _written(s)
+    args = (s["q"], cache, s["ks"], s["vs"], s["qsl"], s["sl"], s["bt"], 0.125)
+    for cap in (None, 50.0):
+        opts = dict(sliding_window=window, softcap=cap)
+        torch.testing.assert_close(c8.attention(*args, impl=impl, **opts), c8.attention_reference(*args, **opts),
+                                   atol=2e-5, rtol=1e-4)
+
+
+def test_native_sliding_window_never_reads_blocks_outside_the_window(tmp_path):
+    """vLLM's sliding-window manager frees blocks no query can see (their table entries become
+    its null block). Here those entries point far outside the cache: the kernel would crash on
+    reading one, so it runs in a subprocess; the result must equal the reference on the real table."""
+    import subprocess
+    import sys
+
+    s = _scenario(ctx=(300, 200, 97), qlen=(40, 1, 97), bs=16)
+    window = 50
+    cache = _written(s)
+    bt = s["bt"].clone()
+    for r, (ctx, q0, q1) in enumerate(zip(s["sl"].tolist(), s["qsl"][:-1].tolist(), s["qsl"][1:].tolist())):
+        first_seen = max(0, ctx - (q1 - q0) - window + 1)
+        bt[r, : first_seen // 16] = 1 << 28
+    assert int((bt == 1 << 28).sum()) > 10
+    args = (s["q"], cache, s["ks"], s["vs"], s["qsl"], s["sl"])
+    torch.save({"args": args, "bt": bt, "ref": c8.attention_reference(*args, s["bt"], 0.125, sliding_window=window)},
+               tmp_path / "case.pt")
+    code = ("import sys, torch; from ascend_quant.runtime.paged import c8\n"
+            f"c = torch.load({str(tmp_path / 'case.pt')!r})\n"
+            f"out = c8.attention_native(*c['args'], c['bt'], 0.125, sliding_window={window})\n"
+            "torch.testing.assert_close(out, c['ref'], atol=2e-5, rtol=1e-4); print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+def test_sliding_window_without_causal_mask_is_refused(impl):
+    s = _scenario()
+    cache = _written(s)
+    args = (s["q"], cache, s["ks"], s["vs"], s["qsl"], s["sl"], s["bt"], 0.125)
+    with pytest.raises(NotImplementedError, match="causal"):
+        c8.attention(*args, impl=impl, causal=False, sliding_window=8)
+    with pytest.raises(ValueError, match="int"):
+        c8.attention(*args, impl=impl, sliding_window=(8, 0))
+
+
 # ----------------------------------------------------------------------------- NPU wiring (emulated)
 
 

@@ -110,7 +110,7 @@ C8 = NativeLibrary(
     {"c8_write": [_p, _i64, _p, _i64, _i32, _p, _i64, _p, _i64, _i64, _i32, _i32, _i32, _p, _p, _i32],
      "c8_gather": [_p, _i64, _i64, _p, _i64, _i32, _i32, _i32, _p, _p],
      "c8_attention": [_p, _i64, _i32, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32,
-                      _i32, _p, _i64, _i32, _p, _i32]},
+                      _i32, _f32, _i32, _p, _i64, _i32, _p, _i32]},
     ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"], ["-lm"], fast_math_fallback=True)
 
 # no -ffast-math: the sweep must round and accumulate exactly as written (IEEE, no reassociation)

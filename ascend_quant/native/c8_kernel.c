@@ -12,6 +12,11 @@
  * scale into the output (out_mul), so the kernel works on the raw int8 values: out = softmax(q' . k_q) @ v_q, with an online softmax
  * over blocks. Work items are (request, query tile, kv head); every query head of the kv head's
  * group (GQA) shares the converted block.
+ *
+ * Sliding window (window > 0, causal only): the query at position p sees keys in (p - window, p];
+ * a tile starts at the first block its earliest query can see, so blocks wholly outside the
+ * window (which vLLM may have freed and replaced by its null block) are never read.
+ * Logits soft-cap (softcap > 0): scores become softcap * tanh(score / softcap) before the softmax.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -83,7 +88,7 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                   const int8_t *cache, int64_t blk_stride,
                   int64_t head_stride, const int32_t *query_start_loc, const int32_t *seq_lens,
                   const int32_t *block_table, int64_t bt_stride, int num_reqs, int num_heads,
-                  int num_kv_heads, int head_dim, int block_size, int causal, int q_tile,
+                  int num_kv_heads, int head_dim, int block_size, int causal, int window, float softcap, int q_tile,
                   void *out, int64_t out_tok_stride, int out_dt, const float *out_mul, int nthreads) {
     const int D = head_dim, bs = block_size, G = num_heads / num_kv_heads;
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (num_reqs + 1));
@@ -122,6 +127,8 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
             const int64_t t0 = query_start_loc[r] + i0;
             const int first_pos = ctx - qlen + i0;           /* absolute position of the tile's first query */
             const int kv_end = causal ? first_pos + nq : ctx;
+            /* keys before kv_begin are outside every query's window in this tile */
+            const int kv_begin = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
             const int rows = nq * G;
             for (int rr = 0; rr < rows; rr++) {
                 const int i = rr / G, hq = kvh * G + rr % G;
@@ -134,46 +141,55 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                 }
             }
             const int nblocks = (kv_end + bs - 1) / bs;
-            for (int b = 0; b < nblocks; b++) {
+            for (int b = kv_begin / bs; b < nblocks; b++) {
                 const int64_t phys = block_table[(int64_t)r * bt_stride + b];
                 const int8_t *page = cache + phys * blk_stride + (int64_t)kvh * head_stride;
                 const int base = b * bs;
                 const int nk = kv_end - base < bs ? kv_end - base : bs;
+                const int jlo = kv_begin - base > 0 ? kv_begin - base : 0;   /* first key any row sees */
                 for (int d = 0; d < D; d++) {
                     const int8_t *src = page + (int64_t)d * bs;
                     float *dst = kf + (int64_t)d * bs;
 #pragma omp simd
-                    for (int j = 0; j < nk; j++) dst[j] = (float)src[j];
+                    for (int j = jlo; j < nk; j++) dst[j] = (float)src[j];
                 }
                 {
                     const int8_t *src = page + (int64_t)bs * D;
                     const int n = nk * D;
 #pragma omp simd
-                    for (int e = 0; e < n; e++) vf[e] = (float)src[e];
+                    for (int e = jlo * D; e < n; e++) vf[e] = (float)src[e];
                 }
                 for (int rr = 0; rr < rows; rr++) {
                     const int i = rr / G;
-                    const int limit = causal ? first_pos + i + 1 : ctx;   /* keys [0, limit) */
+                    const int limit = causal ? first_pos + i + 1 : ctx;   /* keys [start, limit) */
+                    const int start = window > 0 ? first_pos + i - window + 1 : 0;
                     int nkr = limit - base;
                     if (nkr <= 0) continue;
                     if (nkr > nk) nkr = nk;
+                    const int j0 = start - base > 0 ? start - base : 0;
+                    if (j0 >= nkr) continue;
                     const float *qr = qbuf + (int64_t)rr * D;
 #pragma omp simd
-                    for (int j = 0; j < nkr; j++) s[j] = 0.f;
+                    for (int j = j0; j < nkr; j++) s[j] = 0.f;
                     for (int d = 0; d < D; d++) {
                         const float qd = qr[d];
                         const float *kd = kf + (int64_t)d * bs;
 #pragma omp simd
-                        for (int j = 0; j < nkr; j++) s[j] += qd * kd[j];
+                        for (int j = j0; j < nkr; j++) s[j] += qd * kd[j];
                     }
-                    float mx = s[0];
-                    for (int j = 1; j < nkr; j++) mx = s[j] > mx ? s[j] : mx;
+                    if (softcap > 0.f) {
+                        const float inv_cap = 1.f / softcap;
+#pragma omp simd
+                        for (int j = j0; j < nkr; j++) s[j] = softcap * tanhf(s[j] * inv_cap);
+                    }
+                    float mx = s[j0];
+                    for (int j = j0 + 1; j < nkr; j++) mx = s[j] > mx ? s[j] : mx;
                     const int first = l[rr] == 0.f;
                     const float m_new = first || mx > m[rr] ? mx : m[rr];
                     const float corr = first ? 0.f : expf(m[rr] - m_new);
                     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-                    for (int j = 0; j < nkr; j++) {
+                    for (int j = j0; j < nkr; j++) {
                         float p = expf(s[j] - m_new);
                         s[j] = p;
                         sum += p;
@@ -185,7 +201,7 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
 #pragma omp simd
                         for (int d = 0; d < D; d++) ar[d] *= corr;
                     }
-                    for (int j = 0; j < nkr; j++) {
+                    for (int j = j0; j < nkr; j++) {
                         const float p = s[j];
                         const float *vj = vf + (int64_t)j * D;
 #pragma omp simd

@@ -14,6 +14,15 @@ including this step's tokens), `block_table [R, max_blocks]`. Request r's querie
 `q_len` positions of its context; with `causal`, query i (absolute position ctx - q_len + i)
 sees keys 0..position (chunked prefill, prefix-cache hits and decode alike).
 
+Sliding window (vLLM's `sliding_window`, an int W; None, -1 or 0 = none): a query at position p
+sees only keys in (p - W, p], i.e. the W most recent positions including its own (HF's and
+vLLM's semantics). Causal only. vLLM's sliding-window KV manager may replace the block-table
+entries of blocks wholly outside every query's window by its null block: no implementation
+relies on their contents (they are masked, and the C kernel does not read them at all).
+
+Logits soft-cap (Gemma-2's `attn_logit_softcapping`, vLLM's `logits_soft_cap`; 0/None = none):
+scores s = scale * q.k become cap * tanh(s / cap) before the mask and softmax.
+
 Three implementations with one signature (`out[T, H, D]` float32):
   * `attention_reference`: a per-request loop that dequantizes whole contexts and runs a plain
     masked softmax — the test oracle.
@@ -58,6 +67,26 @@ def _check(kv_cache: torch.Tensor) -> None:
     if kv_cache.dtype != torch.int8 or kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
         raise ValueError(f"C8 pages must be int8 [blocks, kv_heads, block_size, 2*head_dim], got "
                          f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+
+
+def _window(sliding_window) -> int:
+    """vLLM's sliding_window as an int W > 0, or 0 for none (None, -1, 0)."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, (tuple, list)):
+        raise ValueError(f"C8 attention: sliding_window must be an int (vLLM CPU semantics), got {sliding_window!r}")
+    w = int(sliding_window)
+    return w if w > 0 else 0
+
+
+def _check_options(causal: bool, sliding_window, softcap) -> tuple[int, float]:
+    w = _window(sliding_window)
+    if w and not causal:
+        raise NotImplementedError("C8 attention: a sliding window is only supported with causal attention")
+    cap = float(softcap or 0.0)
+    if cap < 0:
+        raise ValueError(f"C8 attention: logits soft-cap must be >= 0, got {cap}")
+    return w, cap
 
 
 # ----------------------------------------------------------------------------- write
@@ -131,9 +160,10 @@ def gather_dequantized(kv_cache, block_ids: torch.Tensor, length: int, k_scale, 
 
 
 def attention_reference(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
-                        scale: float, causal: bool = True) -> torch.Tensor:
+                        scale: float, causal: bool = True, sliding_window=None, softcap=None) -> torch.Tensor:
     """out [T, H, D] float32: per request, dequantize its whole context and run a masked softmax."""
     _check(kv_cache)
+    window, cap = _check_options(causal, sliding_window, softcap)
     t_total, h, d = query.shape
     bs = kv_cache.shape[2]
     hkv = kv_cache.shape[1]
@@ -150,9 +180,15 @@ def attention_reference(query, kv_cache, k_scale, v_scale, query_start_loc, seq_
         v = v.repeat_interleave(h // hkv, dim=1)
         q = query[q0:q1].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
         if causal:
             pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
-            scores = scores.masked_fill(torch.arange(ctx).unsqueeze(0) > pos, float("-inf"))
+            key_pos = torch.arange(ctx).unsqueeze(0)
+            hidden = key_pos > pos
+            if window:
+                hidden = hidden | (key_pos <= pos - window)
+            scores = scores.masked_fill(hidden, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
     return out
 
@@ -171,10 +207,12 @@ def _fold(ks, vs, h, hkv, d, scale):
 
 
 def attention_torch(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
-                    scale: float, causal: bool = True, folded=None) -> torch.Tensor:
+                    scale: float, causal: bool = True, folded=None, sliding_window=None, softcap=None) -> torch.Tensor:
     """Batched over requests: pad queries to [R, max_q], gather each request's blocks (int8 ->
-    float, no rescale), one `scaled_dot_product_attention` with GQA and a bottom-right causal mask."""
+    float, no rescale), one `scaled_dot_product_attention` with GQA and a bottom-right causal mask
+    (narrowed to the sliding window when there is one; with a soft-cap, an explicit softmax)."""
     _check(kv_cache)
+    window, cap = _check_options(causal, sliding_window, softcap)
     t_total, h, d = query.shape
     nb, hkv, bs, _ = kv_cache.shape
     qmul, omul = folded or fold_scales(k_scale, v_scale, h, hkv, scale)
@@ -200,11 +238,21 @@ def attention_torch(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens
     if causal:
         q_pos = (ctx - qlens).view(r, 1, 1) + torch.arange(max_q).view(1, max_q, 1)
         mask = key_pos <= q_pos
+        if window:
+            mask = mask & (key_pos > q_pos - window)
     else:
         mask = key_pos < ctx.view(r, 1, 1)
     mask = mask & (key_pos < ctx.view(r, 1, 1))
     mask = mask | (torch.arange(max_q).view(1, max_q, 1) >= qlens.view(r, 1, 1))   # padded rows: see all (dropped)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=1.0, enable_gqa=True)
+    if cap:
+        g = h // hkv
+        kk = k.repeat_interleave(g, dim=1)
+        vv = v.repeat_interleave(g, dim=1)
+        scores = q @ kk.transpose(-1, -2)                  # scale already folded into q
+        scores = (cap * torch.tanh(scores / cap)).masked_fill(~mask.unsqueeze(1), float("-inf"))
+        o = torch.softmax(scores, -1) @ vv
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=1.0, enable_gqa=True)
     return o.transpose(1, 2)[req, row] * omul
 
 
@@ -214,10 +262,11 @@ def _i32(x: torch.Tensor) -> torch.Tensor:
 
 def attention_native(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
                      scale: float, causal: bool = True, folded=None, out=None, q_tile: int = 16,
-                     lib=None) -> torch.Tensor:
+                     lib=None, sliding_window=None, softcap=None) -> torch.Tensor:
     """The C kernel. `out` ([T, H, D] or [T, H*D], float32 or bf16) is written in place when given
     (the scales are applied inside the kernel; bf16 queries are read as they are)."""
     _check(kv_cache)
+    window, cap = _check_options(causal, sliding_window, softcap)
     lib = lib or native.load()
     t_total, h, d = query.shape
     nb, hkv, bs, _ = kv_cache.shape
@@ -233,7 +282,7 @@ def attention_native(query, kv_cache, k_scale, v_scale, query_start_loc, seq_len
     bt = block_table if block_table.dtype == torch.int32 and block_table.stride(1) == 1 else _i32(block_table)
     lib.c8_attention(q.data_ptr(), q.stride(0), _DT[q.dtype], qmul.data_ptr(), kv_cache.data_ptr(),
                      kv_cache.stride(0), kv_cache.stride(1), qsl.data_ptr(), sl.data_ptr(), bt.data_ptr(),
-                     bt.stride(0), sl.shape[0], h, hkv, d, bs, int(bool(causal)), q_tile, res.data_ptr(),
+                     bt.stride(0), sl.shape[0], h, hkv, d, bs, int(bool(causal)), window, cap, q_tile, res.data_ptr(),
                      res.stride(0), _DT[res.dtype], omul.data_ptr(), torch.get_num_threads())
     if out is not None and res is not out:
         out.copy_(res.reshape(out.shape))
@@ -254,14 +303,16 @@ IMPLS = {"reference": attention_reference, "torch": attention_torch, "native": a
 
 
 def attention(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale: float,
-              causal: bool = True, impl: str | None = None, folded=None, out=None) -> torch.Tensor:
+              causal: bool = True, impl: str | None = None, folded=None, out=None, sliding_window=None,
+              softcap=None) -> torch.Tensor:
     """out [T, H, D] (float32, or `out` filled in place)."""
     impl = impl or (choose_impl() if kv_cache.device.type == "cpu" else "torch")
+    opts = dict(sliding_window=sliding_window, softcap=softcap)
     if impl == "native":
         return attention_native(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
-                                causal, folded=folded, out=out)
+                                causal, folded=folded, out=out, **opts)
     res = _attention_other(impl, query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
-                           causal, folded)
+                           causal, folded, **opts)
     if out is not None:
         out.copy_(res.reshape(out.shape))
         return out
@@ -269,9 +320,9 @@ def attention(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, bloc
 
 
 def _attention_other(impl, query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
-                     causal, folded):
+                     causal, folded, **opts):
     if impl == "reference":
         return attention_reference(query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table,
-                                   scale, causal)
+                                   scale, causal, **opts)
     return IMPLS[impl](query, kv_cache, k_scale, v_scale, query_start_loc, seq_lens, block_table, scale,
-                       causal, folded=folded)
+                       causal, folded=folded, **opts)

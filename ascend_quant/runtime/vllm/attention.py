@@ -17,6 +17,8 @@ that owns the int8 pages.
 
 The impl writes with `paged.c8.write` (quantize into `slot_mapping`) and reads with
 `paged.c8.attention` (native C kernel on CPUs, batched torch otherwise): see that module.
+Sliding-window layers (vLLM's int `sliding_window`: keys in (p - W, p]) and the logits soft-cap
+(Gemma-2) are passed through to it; ALiBi, attention sinks and non-decoder attention are refused.
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ class AscendC8KVCacheMethod(BaseKVCacheMethod):
             raise NotImplementedError(
                 f"{self.prefix}: the C8 int8 KV cache is implemented for vLLM's CPU attention backend; "
                 f"this platform uses {type(impl).__name__} (on Ascend NPUs serve with vllm-ascend)")
-        unsupported = {"sliding window": impl.sliding_window not in (None, -1),
-                       "ALiBi": impl.alibi_slopes is not None, "logits soft-cap": bool(impl.logits_soft_cap),
+        window = impl.sliding_window
+        unsupported = {f"sliding window {window!r} (an int window is supported)":
+                           window is not None and (not isinstance(window, int) or isinstance(window, bool)),
+                       "ALiBi": impl.alibi_slopes is not None,
                        "attention sinks": impl.sinks is not None,
                        "non-decoder attention": impl.attn_type != AttentionType.DECODER}
         bad = [k for k, v in unsupported.items() if v]
@@ -139,5 +143,6 @@ class AscendC8AttentionImpl(CPUAttentionBackendImpl):
         q = query[:t].view(t, self.num_heads, self.head_size)
         paged.attention(q, kv_cache, self.c8_k_scale, self.c8_v_scale, attn_metadata.query_start_loc,
                         attn_metadata.seq_lens, attn_metadata.block_table, self.scale, attn_metadata.causal,
-                        impl=self.c8_impl, folded=self.c8_folded, out=output[:t])
+                        impl=self.c8_impl, folded=self.c8_folded, out=output[:t],
+                        sliding_window=self.sliding_window, softcap=self.logits_soft_cap)
         return output
