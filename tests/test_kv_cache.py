@@ -500,3 +500,53 @@ def test_msmodelslim_c8_fixture_serves_with_its_scales(caplog):
             ref = torch.log_softmax(load_reference_model(path, torch.float32, kv_cache=kv)(ids).logits[0, len(prompt) - 1:], -1)
         errs[kv] = (ref[torch.arange(len(tokens)), torch.tensor(tokens)] - lps).abs().max().item()
     assert errs[True] < 2e-3 < errs[False], errs          # the scales are applied, exactly as the reference does
+
+
+# ----------------------------------------------------------------------------- inside vLLM: sliding window
+
+SW_WINDOW = 24          # below every prompt + generation (48-101 tokens), not a multiple of the block size
+
+
+@pytest.fixture(scope="module")
+def tiny_c8_sliding(tmp_path_factory):
+    """The sharpened tiny Qwen2 with every layer a sliding-window layer (W = 24), C8 scales
+    calibrated on it. vLLM's Qwen2 takes the window from the config (use_sliding_window);
+    transformers applies it through its sliding-window causal mask."""
+    from runtime_helpers import sharpened_tiny_model
+
+    d = tmp_path_factory.mktemp("kvsw")
+    src = sharpened_tiny_model(d / "tiny-sharp-sw")
+    config = json.loads((src / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    config.update(use_sliding_window=True, sliding_window=SW_WINDOW, max_window_layers=0,
+                  layer_types=["sliding_attention"] * n)
+    (src / "config.json").write_text(json.dumps(config, indent=2))
+    return _c8_tiny_checkpoint(src, d / "tiny-c8-sw")
+
+
+@pytest.mark.vllm
+def test_vllm_c8_sliding_window_greedy_equals_exact_reference(tiny_c8_sliding, tiny_c8):
+    """Chunked prefill (16-token chunks) and prefix caching over sliding-window layers: vLLM's
+    sliding-window manager frees the blocks behind the window; tokens equal the reference model's
+    (C8 fake-quant, HF's window mask), which differ from the full-attention model's."""
+    from vllm import SamplingParams
+
+    llm = _llm(tiny_c8_sliding, dtype="float32", max_num_batched_tokens=16, enable_chunked_prefill=True,
+               enable_prefix_caching=True)
+    try:
+        windows = llm.apply_model(lambda model: sorted({
+            m.impl.sliding_window for m in model.modules() if type(m).__name__ == "Attention"}))[0]
+        facts = _engine_facts(llm)
+        sp = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+        first = [list(o.outputs[0].token_ids) for o in
+                 llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
+        second = [list(o.outputs[0].token_ids) for o in
+                  llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
+    finally:
+        _free(llm)
+    assert windows == [SW_WINDOW]
+    assert facts["impl"] == ["AscendC8AttentionImpl"] and facts["cache_dtype"] == ["torch.int8"]
+    assert second == first
+    refs = [_reference_greedy(tiny_c8_sliding, p, GEN) for p in PROMPTS[:3]]
+    assert first[:3] == refs
+    assert any(r != _reference_greedy(tiny_c8, p, GEN) for r, p in zip(refs, PROMPTS[:3]))
