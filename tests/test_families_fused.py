@@ -26,8 +26,8 @@ from ascend_quant.formats.verify import verify  # noqa: E402
 from conftest import FIXTURES, fixture_dir  # noqa: E402
 
 FAMILIES = ("phi3", "glm4")
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, bos_token_id=1,
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, vocab_size=512, max_position_embeddings=256, bos_token_id=1,
               eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
@@ -36,7 +36,7 @@ def _config(family: str):
         from transformers import Phi3Config
         return Phi3Config(**COMMON)
     from transformers import Glm4Config
-    return Glm4Config(**COMMON, head_dim=16, partial_rotary_factor=0.5, attention_bias=True)
+    return Glm4Config(**COMMON, head_dim=32, partial_rotary_factor=0.5, attention_bias=True)
 
 
 def _model(family: str, seed: int = 0):
