@@ -22,6 +22,7 @@ from ascend_quant.arch import spec_for_model  # noqa: E402
 from ascend_quant.calibration import pipeline, recipe as recipes  # noqa: E402
 from ascend_quant.calibration.smoothquant import apply_smoothing  # noqa: E402
 from ascend_quant.formats.ascend import read_checkpoint  # noqa: E402
+from ascend_quant.formats.inspect import format_summary, summarize  # noqa: E402
 from ascend_quant.formats.verify import verify  # noqa: E402
 from conftest import FIXTURES, fixture_dir  # noqa: E402
 
@@ -139,6 +140,7 @@ def test_calibrate_every_scheme_verifies(tmp_path, tiny_dirs, calib_jsonl, famil
     assert "model.layers.1.mlp.up_proj.weight" not in ckpt.description
     qkv = "self_attn.qkv_proj" if family == "phi3" else "self_attn.k_proj"
     assert ckpt.description[f"model.layers.0.{qkv}.weight"] == want
+    assert format_summary(summarize(ckpt))      # inspect reads the fused layout
     ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))
     ref = AutoModelForCausalLM.from_pretrained(tiny_dirs[family], dtype=torch.float32).eval()(ids).logits
     got = load_reference_model(out)(ids).logits
