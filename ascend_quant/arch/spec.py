@@ -57,6 +57,10 @@ class LinearGroup:
         if (self.producer is None) != (self.producer_kind is None) or \
                 (self.producer_kind is not None and self.producer_kind not in PRODUCER_KINDS):
             raise ValueError(f"group {self.name}: producer {self.producer!r} of kind {self.producer_kind!r}")
+        if self.on_disk and len(self.linears) != 1:
+            raise ValueError(f"group {self.name}: a Linear fused on disk is the group's only member")
+        if self.producer_chunk is not None and self.producer_kind != "linear_rows":
+            raise ValueError(f"group {self.name}: producer_chunk needs a linear_rows producer")
 
     def producer_rows(self, n: int) -> slice:
         """The producer's rows (of `n`) the fold divides: all, or `producer_chunk`'s part."""
