@@ -14,6 +14,12 @@ that tensor is, and its kind says how a SmoothQuant factor folds into it:
 | `linear_rows` (a Linear whose rows feed the group, e.g. up_proj for down_proj) | rows' = rows / s |
 | none | the group takes no smoothing |
 
+A Linear fused on disk (Phi-3's `self_attn.qkv_proj`, GLM-4's `mlp.gate_up_proj`) is one
+member of its group: one Hessian, one weight, one checkpoint entry under the fused name.
+`on_disk` names the HF Linears it stands for, in row order (`("gate_proj", "up_proj")`), and
+`producer_chunk` of a group fed by part of a fused producer says which rows feed it: down_proj
+reads only the up half of gate_up_proj, so its fold divides rows `chunk 1 of 2` and no others.
+
 `sole_consumer` says nothing else reads the producer's output (the residual stream takes the
 un-normed sum), which both makes the fold an equivalence and lets calibration transform the
 input in place.
@@ -42,11 +48,28 @@ class LinearGroup:
     row_parallel: bool = False     # in-features split across tensor-parallel ranks (o_proj, down_proj)
     sole_consumer: bool = True     # the input is read by this group only
     vllm_fused: str | None = None  # the one vLLM Linear the group becomes (qkv_proj, gate_up_proj)
+    # a single member fused on disk: the HF Linears it stands for, in row order (see the docstring)
+    on_disk: tuple[str, ...] = ()
+    # (index, count): the group reads rows chunk `index` of `count` of its Linear producer
+    producer_chunk: tuple[int, int] | None = None
 
     def __post_init__(self):
         if (self.producer is None) != (self.producer_kind is None) or \
                 (self.producer_kind is not None and self.producer_kind not in PRODUCER_KINDS):
             raise ValueError(f"group {self.name}: producer {self.producer!r} of kind {self.producer_kind!r}")
+        if self.on_disk and len(self.linears) != 1:
+            raise ValueError(f"group {self.name}: a Linear fused on disk is the group's only member")
+        if self.producer_chunk is not None and self.producer_kind != "linear_rows":
+            raise ValueError(f"group {self.name}: producer_chunk needs a linear_rows producer")
+
+    def producer_rows(self, n: int) -> slice:
+        """The producer's rows (of `n`) the fold divides: all, or `producer_chunk`'s part."""
+        if self.producer_chunk is None:
+            return slice(None)
+        i, count = self.producer_chunk
+        if n % count:
+            raise ValueError(f"group {self.name}: producer rows {n} do not split into {count} chunks")
+        return slice(i * n // count, (i + 1) * n // count)
 
     @property
     def smooth_into(self) -> str | None:

@@ -71,8 +71,12 @@ class QuantizedLinear:
     def dequantized(self) -> torch.Tensor:
         return numerics.dequantize(self.q, self.effective_scale())
 
-    def scale_rows(self, factor: torch.Tensor) -> None:
-        """Output rows divided by `factor` after quantization (smoothing through this Linear)."""
+    def scale_rows(self, factor: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Output rows (`rows` of them) divided by `factor` after quantization (smoothing through this Linear)."""
+        if rows != slice(None):
+            full = torch.ones(self.q.shape[0], dtype=factor.dtype, device=factor.device)
+            full[rows] = factor
+            factor = full
         self.scale = self.scale / factor.unsqueeze(1)
         if self.bias is not None:
             self.bias = self.bias / factor
@@ -281,11 +285,13 @@ class _GroupQuantizer:
         s = self._smoothing(flat, quantized) if self.smoothed else None
         if s is not None:
             producer = self.layer.get_submodule(group.smooth_into)
-            apply_smoothing(producer, list(self.modules.values()), s)
+            rows = group.producer_rows(producer.weight.shape[0]) if isinstance(producer, torch.nn.Linear) \
+                else slice(None)
+            apply_smoothing(producer, list(self.modules.values()), s, rows)
             self.touched.update([group.smooth_into, *self.modules])
             done = self.results.get(f"{self.prefix}.{group.smooth_into}")
             if done is not None:          # the producer is a Linear quantized earlier in this layer
-                done.scale_rows(s)
+                done.scale_rows(s, rows)
             x = x.div_(s) if in_place else x / s.to(x.dtype)
             flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
         # 2. activation range (static W8A8): one for the whole group

@@ -60,13 +60,15 @@ def search_alpha(x: torch.Tensor, act_absmax: torch.Tensor, weights: list[torch.
 
 
 @torch.no_grad()
-def apply_smoothing(producer: torch.nn.Module, consumers: list[torch.nn.Module], s: torch.Tensor) -> None:
-    """Divide the producer's output channels by s, multiply the consumers' input columns by s."""
+def apply_smoothing(producer: torch.nn.Module, consumers: list[torch.nn.Module], s: torch.Tensor,
+                    rows: slice = slice(None)) -> None:
+    """Divide the producer's output channels by s, multiply the consumers' input columns by s.
+    `rows`: the producer's channels the consumers read (the up half of a fused gate_up_proj)."""
     if isinstance(producer, torch.nn.Linear):
-        producer.weight.div_(s.to(producer.weight.dtype).unsqueeze(1))       # [k, in] rows
+        producer.weight[rows].div_(s.to(producer.weight.dtype).unsqueeze(1))  # [k, in] rows
     else:
-        producer.weight.div_(s.to(producer.weight.dtype))                   # RMSNorm [k]
+        producer.weight[rows].div_(s.to(producer.weight.dtype))              # RMSNorm [k]
     if getattr(producer, "bias", None) is not None:
-        producer.bias.div_(s.to(producer.bias.dtype))
+        producer.bias[rows].div_(s.to(producer.bias.dtype))
     for lin in consumers:
         lin.weight.mul_(s.to(lin.weight.dtype).unsqueeze(0))                # [n, k] columns

@@ -198,6 +198,8 @@ class AscendQuantConfig(QuantizationConfig):
     def shard_prefixes(self, prefix: str) -> list[str]:
         """Checkpoint prefixes behind a vLLM Linear (q/k/v behind qkv_proj)."""
         parent, _, leaf = prefix.rpartition(".")
+        if f"{prefix}.weight" in self.description:     # fused on disk (GLM-4's gate_up_proj, Phi-3's)
+            return [prefix]
         members = self.packed_modules_mapping.get(leaf) or self.spec.vllm_fused_members(leaf)
         if not members:
             return [prefix]

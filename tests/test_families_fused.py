@@ -1,0 +1,186 @@
+"""Phi-3 and GLM-4-0414: Linears fused on disk (qkv_proj, gate_up_proj) on tiny random models.
+
+Smoothing through each spec's producers leaves the logits unchanged (down_proj's fold divides
+only the up half of gate_up_proj), every scheme calibrates and verifies under the fused
+names, and vLLM serves one W8A8_DYNAMIC checkpoint per family with the reference model's
+greedy tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from ascend_quant.arch import spec_for_model  # noqa: E402
+from ascend_quant.calibration import pipeline, recipe as recipes  # noqa: E402
+from ascend_quant.calibration.smoothquant import apply_smoothing  # noqa: E402
+from ascend_quant.formats.ascend import read_checkpoint  # noqa: E402
+from ascend_quant.formats.inspect import format_summary, summarize  # noqa: E402
+from ascend_quant.formats.verify import verify  # noqa: E402
+from conftest import FIXTURES, fixture_dir  # noqa: E402
+
+FAMILIES = ("phi3", "glm4")
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, vocab_size=512, max_position_embeddings=256, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def _config(family: str):
+    if family == "phi3":
+        from transformers import Phi3Config
+        return Phi3Config(**COMMON)
+    from transformers import Glm4Config
+    return Glm4Config(**COMMON, head_dim=32, partial_rotary_factor=0.5, attention_bias=True)
+
+
+def _model(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32).eval()
+    with torch.no_grad():     # non-trivial norms and biases, so a wrong fold shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+        model.lm_head.weight.mul_(30.0)    # decisive greedy choices (see runtime_helpers)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    tok = fixture_dir("tiny-qwen2-fp32")
+    out = {}
+    for family in FAMILIES:
+        d = root / family
+        _model(family).save_pretrained(d)
+        for f in tok.iterdir():
+            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+                shutil.copy(f, d / f.name)
+        out[family] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def calib_jsonl():
+    return str(FIXTURES / "calib.jsonl")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spec_names_the_fused_linears(family):
+    model = _model(family)
+    spec = spec_for_model(model)
+    assert spec.name == family
+    assert "mlp.gate_up_proj" in spec.linear_names()
+    assert ("self_attn.qkv_proj" in spec.linear_names()) == (family == "phi3")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_smoothing_through_every_producer_keeps_the_logits(family):
+    model = _model(family)
+    spec = spec_for_model(model)
+    ids = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        g = torch.Generator().manual_seed(2)
+        for layer in spec.layers(model):
+            for group in spec.groups:
+                if group.producer is None:
+                    continue
+                producer = layer.get_submodule(group.producer)
+                consumers = [layer.get_submodule(n) for n in group.linears]
+                s = torch.exp(0.5 * torch.randn(consumers[0].in_features, generator=g))
+                rows = group.producer_rows(producer.weight.shape[0]) \
+                    if isinstance(producer, torch.nn.Linear) else slice(None)
+                apply_smoothing(producer, consumers, s, rows)
+        got = model(ids).logits
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-5, rel
+
+
+def test_folding_into_all_of_gate_up_would_be_wrong():
+    """The check above can fail: dividing gate's rows too changes the output."""
+    model = _model("phi3")
+    spec = spec_for_model(model)
+    ids = torch.randint(3, 512, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        layer = spec.layers(model)[0]
+        apply_smoothing(layer.mlp.gate_up_proj, [layer.mlp.down_proj], torch.full((128,), 2.0),
+                        slice(0, 128))     # the gate half: wrong
+        assert ((model(ids).logits - ref).norm() / ref.norm()).item() > 1e-3
+
+
+SCHEMES = [("w8a8", None), ("w8a8-dynamic", None), ("w8a16", None), ("w4a16", 32), ("w4a8", 32)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheme,group", SCHEMES, ids=[s for s, _ in SCHEMES])
+def test_calibrate_every_scheme_verifies(tmp_path, tiny_dirs, calib_jsonl, family, scheme, group):
+    from ascend_quant.runtime.reference_model import load_reference_model
+    from transformers import AutoModelForCausalLM
+
+    rec = recipes.preset(scheme, group)
+    out = tmp_path / "out"
+    pipeline.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
+                       show_progress=False)
+    report = verify(out)
+    assert report.ok, report.problems
+    ckpt = read_checkpoint(out)
+    want = recipes.normalize_scheme(scheme)
+    assert ckpt.description["model.layers.1.mlp.gate_up_proj.weight"] == want
+    assert "model.layers.1.mlp.up_proj.weight" not in ckpt.description
+    qkv = "self_attn.qkv_proj" if family == "phi3" else "self_attn.k_proj"
+    assert ckpt.description[f"model.layers.0.{qkv}.weight"] == want
+    assert format_summary(summarize(ckpt))      # inspect reads the fused layout
+    ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dirs[family], dtype=torch.float32).eval()(ids).logits
+    got = load_reference_model(out)(ids).logits
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < (0.25 if "4" in scheme else 0.08), rel
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_serves_w8a8_dynamic_like_the_reference(tmp_path, tiny_dirs, calib_jsonl, family):
+    from test_vllm_runtime import LOGPROB_TOL, MAX_TOKENS, PROMPTS, reference_logprobs, run_engine
+
+    out = tmp_path / "out"
+    pipeline.calibrate(str(tiny_dirs[family]), out, recipes.preset("w8a8-dynamic"), calib_jsonl,
+                       num_samples=8, seq_len=64, show_progress=False)
+    generations = run_engine(out)
+    for prompt, (tokens, logprobs) in zip(PROMPTS, generations):
+        assert len(tokens) == MAX_TOKENS
+        ref = reference_logprobs(out, prompt, tokens)
+        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+            assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (family, prompt, i, t, ref[i].argmax().item())
+            assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (family, i, lp, ref[i, t].item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calibration_smooths_down_through_the_up_half(tmp_path, tiny_dirs, calib_jsonl, family):
+    """down_proj smoothed (alpha forced): its factor lands in gate_up's up rows of the
+    quantized Linear, and the checkpoint still tracks the float model."""
+    from ascend_quant.runtime.reference_model import load_reference_model
+    from transformers import AutoModelForCausalLM
+
+    rec = recipes.preset("w8a8-dynamic")
+    rec.smoothquant = recipes.SmoothQuant(alpha=0.5, smooth_down=True, alphas=[], group_alpha={"down": 0.9})
+    rec.ignore = ["lm_head"]
+    out = tmp_path / "out"
+    result = pipeline.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
+                                show_progress=False)
+    assert all(r.alphas.get("down") == 0.9 for r in result.reports)
+    assert verify(out).ok
+    ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dirs[family], dtype=torch.float32).eval()(ids).logits
+    got = load_reference_model(out)(ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 0.08
