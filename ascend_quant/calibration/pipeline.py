@@ -281,7 +281,7 @@ class _GroupQuantizer:
         s = self._smoothing(flat, quantized) if self.smoothed else None
         if s is not None:
             producer = self.layer.get_submodule(group.smooth_into)
-            apply_smoothing(producer, list(self.modules.values()), s)
+            apply_smoothing(producer, list(self.modules.values()), s, group.producer_kind)
             self.touched.update([group.smooth_into, *self.modules])
             done = self.results.get(f"{self.prefix}.{group.smooth_into}")
             if done is not None:          # the producer is a Linear quantized earlier in this layer
