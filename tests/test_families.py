@@ -104,6 +104,25 @@ def test_gemma_spec_groups_and_no_norm_bias(family, tiny):
         assert "forward" not in vars(layer.mlp)           # GELU MLP: not rewritten
 
 
+def test_gemma3_multimodal_wrapper_finds_its_decoder():
+    """`gemma3` (Gemma3ForConditionalGeneration) uses the same spec under its wrapper's path."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    text = {k: COMMON[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim")}
+    config = Gemma3Config(text_config=dict(num_hidden_layers=2, **text), mm_tokens_per_image=4,
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14))
+    model = Gemma3ForConditionalGeneration(config)
+    spec = spec_for_model(model)
+    assert spec.name == "gemma3" and len(spec.layers(model)) == 2
+    assert spec.groups == spec_for_model(_float_model_of(_config("gemma3"))).groups
+
+
+def _float_model_of(config):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(config)
+
+
 # ------------------------------------------------------------------------ fold equivalence
 
 def _smooth_randomly(model, seed: int = 0, kind_override: str | None = None) -> None:
@@ -253,3 +272,25 @@ def test_vllm_serves_calibrated_gemma_like_the_reference(family, tmp_path, calib
             assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (prompt, i, t, ref[i].argmax().item())
             assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (i, lp, ref[i, t].item())
     assert sum(decisive) > 0.5 * len(decisive)          # the comparison is not decided by ties
+
+
+@pytest.mark.vllm
+def test_vllm_config_maps_gemma_fused_names_and_refuses_a_norm_bias(tmp_path, tiny, calib_jsonl):
+    """No engine: the `ascend` config finds q/k/v behind qkv_proj and gate/up behind
+    gate_up_proj of a Gemma checkpoint, places no norm bias, and refuses one a tool added."""
+    from ascend_quant.runtime.vllm.config import AscendQuantConfig
+    out = tmp_path / "ckpt"
+    pipeline.calibrate(str(tiny["gemma3"]), out, recipes.preset("w8a16"), calib_jsonl, num_samples=4, seq_len=32,
+                       show_progress=False)
+    config = AscendQuantConfig()
+    config.maybe_update_config(str(out))
+    assert config.shard_prefixes("model.layers.0.mlp.gate_up_proj") == ["model.layers.0.mlp.gate_proj",
+                                                                        "model.layers.0.mlp.up_proj"]
+    assert config.shard_prefixes("model.layers.2.self_attn.qkv_proj") == [
+        f"model.layers.2.self_attn.{p}_proj" for p in "qkv"]
+    assert config.norm_bias_key("model.layers.0.mlp.gate_up_proj") is None
+    bad = AscendQuantConfig(dict(config.description, **{"model.layers.0.pre_feedforward_layernorm.bias": "FLOAT"}),
+                            dict(config.meta))
+    bad.spec, bad.description_file = config.spec, config.description_file
+    with pytest.raises(ValueError, match="pre_feedforward_layernorm"):
+        bad.validate()
