@@ -22,6 +22,7 @@ Conventions
 | deq_scale           | float32 [n] / int64 [n] | `input_scale * weight_scale` (int64 = float32 bits) |
 | quant_bias          | int32 [n]               | `round(bias / deq_scale - offset * sum_k w_q)`  |
 | scale_bias (W4A8)   | float32 [n, chunks]     | `8 * sum_k(w4 * scale)` per chunk of k          |
+| smoothed norm gain  | as the norm [k]         | `w / s`; (1+w) norm (Gemma): `(1 + w) / s - 1`  |
 """
 
 from __future__ import annotations
@@ -206,6 +207,16 @@ def fake_quantize_activation_dynamic(x: torch.Tensor, in_place: bool = False) ->
     else:
         y = x.float() / scale
     return y.round_().clamp_(INT8_MIN, INT8_MAX).mul_(scale).to(x.dtype)
+
+
+# ------------------------------------------------------------------- smoothing fold
+
+def smoothed_norm_gain(w: torch.Tensor, s: torch.Tensor, offset: bool = False) -> torch.Tensor:
+    """The RMSNorm gain w [k] after dividing the norm's output by s [k] (float32 arithmetic,
+    returned in w's dtype). A plain norm (x̂ · w) gives w / s; a (1+w) norm (x̂ · (1 + w), Gemma)
+    gives (1 + w) / s - 1, so that 1 + w' = (1 + w) / s: w = 0, s = 2 -> w' = -0.5."""
+    wf, sf = w.float(), s.float()
+    return ((1.0 + wf) / sf - 1.0 if offset else wf / sf).to(w.dtype)
 
 
 # -------------------------------------------------------------- W8A8 static tensors

@@ -100,7 +100,7 @@ def test_smoothing_through_every_producer_keeps_the_logits(family):
                 s = torch.exp(0.5 * torch.randn(consumers[0].in_features, generator=g))
                 rows = group.producer_rows(producer.weight.shape[0]) \
                     if isinstance(producer, torch.nn.Linear) else slice(None)
-                apply_smoothing(producer, consumers, s, rows)
+                apply_smoothing(producer, consumers, s, rows=rows)
         got = model(ids).logits
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel <= 1e-5, rel
@@ -115,7 +115,7 @@ def test_folding_into_all_of_gate_up_would_be_wrong():
         ref = model(ids).logits
         layer = spec.layers(model)[0]
         apply_smoothing(layer.mlp.gate_up_proj, [layer.mlp.down_proj], torch.full((128,), 2.0),
-                        slice(0, 128))     # the gate half: wrong
+                        rows=slice(0, 128))     # the gate half: wrong
         assert ((model(ids).logits - ref).norm() / ref.norm()).item() > 1e-3
 
 

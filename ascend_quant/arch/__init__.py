@@ -9,10 +9,10 @@ A new family is one new file here with a `SPEC`, added to `FAMILIES`.
 
 from __future__ import annotations
 
-from ascend_quant.arch import glm4, llama, phi3
+from ascend_quant.arch import gemma, glm4, llama, phi3
 from ascend_quant.arch.spec import ArchSpec, GatedMLP, LinearGroup, lean_mlp
 
-FAMILIES: tuple[ArchSpec, ...] = (llama.SPEC, phi3.SPEC, glm4.SPEC)
+FAMILIES: tuple[ArchSpec, ...] = (llama.SPEC, gemma.SPEC, gemma.SPEC_MULTIMODAL, phi3.SPEC, glm4.SPEC)
 SPECS: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 # Checkpoint tools (verify, convert, inspect) read folders without a config.json (msModelSlim's
 # v0 outputs) or of a family not listed: they check names against the Llama layout, the one

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from typing import Callable
 
 import torch
@@ -37,23 +38,34 @@ def install_attention_hook(model: torch.nn.Module, hook: KVHook) -> tuple[str, s
     """Register `hook` in front of the model's attention implementation and switch the model
     to it. Returns (new name, previous name); `model.set_attn_implementation(previous)` undoes it."""
     previous = model.config._attn_implementation or "sdpa"
-    inner = ALL_ATTENTION_FUNCTIONS[previous] if previous != "eager" else None
-    if inner is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as inner
+    # sdpa has no attention logit softcap and drops the argument: a softcapped model (Gemma-2)
+    # runs its own eager function, which applies it as vLLM does, with eager's additive mask
+    softcap = getattr(model.config, "attn_logit_softcapping", None) is not None
+    runs = "eager" if softcap else previous
+    inner = ALL_ATTENTION_FUNCTIONS[runs] if runs != "eager" else None
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         out = hook(module, key, value)
         if out is not None:
             key, value = out
-        return inner(module, query, key, value, attention_mask, **kwargs)
+        return (inner or eager_attention_of(module))(module, query, key, value, attention_mask, **kwargs)
 
     name = f"ascend_quant_hook_{next(_counter)}"
     AttentionInterface.register(name, attention)
     # and the same mask as before: without one registered under the new name transformers
     # builds no mask at all (plain causal), dropping padding and packed-sample masks
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[previous])
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[runs])
     model.set_attn_implementation(name)
     return name, previous
+
+
+def eager_attention_of(module: torch.nn.Module) -> Callable:
+    """The eager attention function of the module's own modeling file (Gemma-2's applies the
+    attention logit softcap, which Llama's does not); Llama's where the file has none."""
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if own is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as own
+    return own
 
 
 @contextlib.contextmanager

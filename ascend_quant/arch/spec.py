@@ -11,6 +11,7 @@ that tensor is, and its kind says how a SmoothQuant factor folds into it:
 | producer kind | fold of `x / s` into the producer |
 |---|---|
 | `rmsnorm` (y = x̂ · w) | w' = w / s |
+| `rmsnorm_offset` (y = x̂ · (1 + w), Gemma) | w' = (1 + w) / s - 1 (never a `.bias`) |
 | `linear_rows` (a Linear whose rows feed the group, e.g. up_proj for down_proj) | rows' = rows / s |
 | none | the group takes no smoothing |
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PRODUCER_KINDS = ("rmsnorm", "linear_rows")
+PRODUCER_KINDS = ("rmsnorm", "rmsnorm_offset", "linear_rows")
 # decoder layers are `<...>.layers.<i>.` in every family's checkpoint names (HF and vLLM alike)
 LAYER_PATTERN = r"\.layers\.\d+\."
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -178,7 +179,8 @@ class ArchSpec:
         return None
 
     def norm_consumers(self) -> dict[str, str]:
-        """RMSNorm -> the vLLM Linear that alone reads it (where a smoothing bias goes)."""
+        """RMSNorm -> the vLLM Linear that alone reads it (where a smoothing bias goes). Plain
+        `rmsnorm` producers only: a (1+w) norm (`rmsnorm_offset`, Gemma) never takes a bias."""
         out = {}
         for g in self.groups:
             if g.producer_kind == "rmsnorm" and g.sole_consumer:

@@ -287,7 +287,7 @@ class _GroupQuantizer:
             producer = self.layer.get_submodule(group.smooth_into)
             rows = group.producer_rows(producer.weight.shape[0]) if isinstance(producer, torch.nn.Linear) \
                 else slice(None)
-            apply_smoothing(producer, list(self.modules.values()), s, rows)
+            apply_smoothing(producer, list(self.modules.values()), s, group.producer_kind, rows)
             self.touched.update([group.smooth_into, *self.modules])
             done = self.results.get(f"{self.prefix}.{group.smooth_into}")
             if done is not None:          # the producer is a Linear quantized earlier in this layer

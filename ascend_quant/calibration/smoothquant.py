@@ -1,7 +1,8 @@
 """SmoothQuant: move activation outliers into the weights with a per-channel factor.
 
 `s[j] = max|X[:, j]|^alpha / max|W[:, j]|^(1 - alpha)`; the producer of X divides by s
-(an RMSNorm's weight and bias, or a Linear's output rows), the consumers multiply their
+(an RMSNorm's weight and bias, or a Linear's output rows; a (1+w) norm's w becomes
+(1 + w) / s - 1, `numerics.smoothed_norm_gain`), the consumers multiply their
 input columns by s. The product is unchanged in exact arithmetic.
 
 One alpha for every layer is a compromise: attention inputs, MLP inputs and down_proj's
@@ -15,6 +16,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+
+from ascend_quant import numerics
 
 
 def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float,
@@ -61,13 +64,15 @@ def search_alpha(x: torch.Tensor, act_absmax: torch.Tensor, weights: list[torch.
 
 @torch.no_grad()
 def apply_smoothing(producer: torch.nn.Module, consumers: list[torch.nn.Module], s: torch.Tensor,
-                    rows: slice = slice(None)) -> None:
+                    kind: str | None = None, rows: slice = slice(None)) -> None:
     """Divide the producer's output channels by s, multiply the consumers' input columns by s.
+    `kind` is the producer's (arch.spec.PRODUCER_KINDS); "rmsnorm_offset" folds into 1 + w.
     `rows`: the producer's channels the consumers read (the up half of a fused gate_up_proj)."""
     if isinstance(producer, torch.nn.Linear):
         producer.weight[rows].div_(s.to(producer.weight.dtype).unsqueeze(1))  # [k, in] rows
-    else:
-        producer.weight[rows].div_(s.to(producer.weight.dtype))              # RMSNorm [k]
+    else:                                                                     # RMSNorm [k]
+        producer.weight[rows].copy_(numerics.smoothed_norm_gain(producer.weight[rows], s,
+                                                                kind == "rmsnorm_offset"))
     if getattr(producer, "bias", None) is not None:
         producer.bias[rows].div_(s.to(producer.bias.dtype))
     for lin in consumers:

@@ -72,7 +72,10 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     if ckpt.config is None:
         raise CheckpointError(f"{ckpt.path}: no config.json; the reference model needs the architecture")
     config = AutoConfig.from_pretrained(str(ckpt.path))
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # an attention logit softcap (Gemma-2) exists only in transformers' eager attention (sdpa
+    # drops it); vLLM applies it, so the reference does too
+    softcap = getattr(getattr(config, "text_config", config), "attn_logit_softcapping", None)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **({"attn_implementation": "eager"} if softcap else {}))
     model.eval()
     tensors = ckpt.tensors()
     b = kernel_backend(backend)
