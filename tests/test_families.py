@@ -242,9 +242,10 @@ def test_reference_model_reproduces_float_without_quantization(family, tmp_path,
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_serves_calibrated_gemma_like_the_reference(family, tmp_path, calib_jsonl):
-    """A calibrated Gemma (W8A8_DYNAMIC, layer 1 W8A16, the last layer's MLP W4A16) in vLLM:
-    greedy tokens and log-probs of the reference forward, past the sliding window (8) and,
-    for Gemma-2, with the attention logit softcap (no norm bias: vLLM's GemmaRMSNorm has none).
+    """A calibrated Gemma (W8A8_DYNAMIC, layer 1 W8A16, the last layer's MLP W4A16, int8 KV cache
+    on every layer) in vLLM: greedy tokens and log-probs of the reference forward (C8 simulated),
+    past the sliding window (8) and, for Gemma-2, with the attention logit softcap, both in our
+    int8 paged attention (no norm bias: vLLM's GemmaRMSNorm has none).
     One engine per family."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -256,12 +257,14 @@ def test_vllm_serves_calibrated_gemma_like_the_reference(family, tmp_path, calib
     rec.group_size = 32
     rec.overrides = [recipes.Override("model.layers.1.*", "w8a16"),
                      recipes.Override(f"model.layers.{last}.mlp.*", "w4a16")]
+    rec.kv_cache = recipes.KVCache(method="absmax")     # int8 pages on sliding and full layers
     out = tmp_path / "mixed"
     pipeline.calibrate(str(src), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     assert verify(out).ok
     desc = json.loads((out / "quant_model_description.json").read_text())
     assert {desc["model.layers.0.mlp.up_proj.weight"], desc["model.layers.1.self_attn.q_proj.weight"],
             desc[f"model.layers.{last}.mlp.down_proj.weight"]} == {"W8A8_DYNAMIC", "W8A16", "W4A16"}
+    assert all(desc.get(f"model.layers.{i}.self_attn.k_proj.kv_cache_scale") == "C8" for i in range(last + 1))
     decisive = []
     for prompt, (tokens, logprobs) in zip(PROMPTS, run_engine(out)):
         assert len(tokens) == MAX_TOKENS
