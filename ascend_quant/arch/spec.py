@@ -72,14 +72,6 @@ class LinearGroup:
             raise ValueError(f"group {self.name}: producer rows {n} do not split into {count} chunks")
         return slice(i * n // count, (i + 1) * n // count)
 
-    @property
-    def smooth_into(self) -> str | None:
-        return self.producer
-
-    @property
-    def private_input(self) -> bool:
-        return self.sole_consumer
-
 
 @dataclass(frozen=True)
 class GatedMLP:

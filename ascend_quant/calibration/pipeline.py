@@ -230,7 +230,7 @@ class _GroupQuantizer:
     def _smooths(self, schemes) -> bool:
         """Smoothing helps activation quantization; weight-only groups skip it, and smoothing
         through a Linear (up_proj -> down_proj) is optional."""
-        sq, producer = self.recipe.smoothquant, self.group.smooth_into
+        sq, producer = self.recipe.smoothquant, self.group.producer
         if sq is None or producer is None:
             return False
         if not any(SCHEMES[s].activation_bits is not None for s in schemes):
@@ -278,18 +278,18 @@ class _GroupQuantizer:
         # The group's input has no other reader (arch.LinearGroup.sole_consumer), so when all members
         # compute with one version of it, smoothing and fake quantization overwrite it in
         # place instead of holding two more copies of the largest activation of the layer.
-        in_place = (group.private_input and x.dtype == torch.float32 and len(set(self.schemes.values())) == 1
+        in_place = (group.sole_consumer and x.dtype == torch.float32 and len(set(self.schemes.values())) == 1
                     and recipe.activations.observer != "running")
         # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
         self.smoothed = self._smooths(quantized.values())
         s = self._smoothing(flat, quantized) if self.smoothed else None
         if s is not None:
-            producer = self.layer.get_submodule(group.smooth_into)
+            producer = self.layer.get_submodule(group.producer)
             rows = group.producer_rows(producer.weight.shape[0]) if isinstance(producer, torch.nn.Linear) \
                 else slice(None)
             apply_smoothing(producer, list(self.modules.values()), s, group.producer_kind, rows)
-            self.touched.update([group.smooth_into, *self.modules])
-            done = self.results.get(f"{self.prefix}.{group.smooth_into}")
+            self.touched.update([group.producer, *self.modules])
+            done = self.results.get(f"{self.prefix}.{group.producer}")
             if done is not None:          # the producer is a Linear quantized earlier in this layer
                 done.scale_rows(s, rows)
             x = x.div_(s) if in_place else x / s.to(x.dtype)

@@ -112,11 +112,11 @@ class AscendQuantConfig(QuantizationConfig):
 
     def validate(self) -> None:
         """Unknown quant types and norm biases this runtime cannot place: one error each."""
+        consumers = self.spec.norm_consumers()
         for key, qtype in self.description.items():
             if qtype not in SCHEMES:
                 raise ValueError(f"{self.description_file}: key {key!r} has unknown quant type {qtype!r} "
                                  f"(known: {', '.join(SCHEMES)})")
-            consumers = self.spec.norm_consumers()
             if key.endswith("norm.bias") and self.spec.layer_index(key) is not None:
                 norm = self.spec.relative(key[: -len(".bias")])
                 if norm not in consumers:
