@@ -182,9 +182,10 @@ class ArchSpec:
         return out
 
     def kv_cache_parent(self, scale_key: str) -> str | None:
-        """`model.layers.3.self_attn` for the K projection's `...k_proj.kv_cache_scale` key."""
-        prefix = scale_key.rpartition(".")[0]
-        if self.kv_role(prefix) != "k":
+        """`model.layers.3.self_attn` for the K projection's `...k_proj.kv_cache_scale` key; None
+        for any other key (one C8 layer per K scale)."""
+        prefix, _, suffix = scale_key.rpartition(".")
+        if suffix != "kv_cache_scale" or self.kv_role(prefix) != "k":
             return None
         return prefix.rpartition(".")[0]
 

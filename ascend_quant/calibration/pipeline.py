@@ -285,8 +285,7 @@ class _GroupQuantizer:
         s = self._smoothing(flat, quantized) if self.smoothed else None
         if s is not None:
             producer = self.layer.get_submodule(group.producer)
-            rows = group.producer_rows(producer.weight.shape[0]) if isinstance(producer, torch.nn.Linear) \
-                else slice(None)
+            rows = group.producer_rows(producer.weight.shape[0])      # all, or gate_up_proj's up half
             apply_smoothing(producer, list(self.modules.values()), s, group.producer_kind, rows)
             self.touched.update([group.producer, *self.modules])
             done = self.results.get(f"{self.prefix}.{group.producer}")
@@ -679,7 +678,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     torch.manual_seed(seed)
     loaded = load_model(model_id, device)
     tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
-    spec_for_model(model)      # fail early on an unsupported architecture
+    spec = spec_for_model(model)      # fail early on an unsupported architecture
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
     per_sample = recipe.activations.observer == "running" or (
@@ -690,7 +689,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     bar = None
     if show_progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(spec_for_model(model).layers(model)), desc="calibrating", unit="layer")
+        bar = tqdm(total=len(spec.layers(model)), desc="calibrating", unit="layer")
 
     def progress(report: LayerReport) -> None:
         if bar is not None:

@@ -88,7 +88,7 @@ def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
     kv_heads, head_dim = geometry
     spec = spec_for_config(ckpt.config)
     c8 = sum(1 for k, v in ckpt.description.items()
-             if v == "C8" and k.endswith(".kv_cache_scale") and spec.kv_cache_parent(k) is not None)
+             if v == "C8" and spec.kv_cache_parent(k) is not None)
     c8 = min(c8, layers)
     per_layer = 2 * kv_heads * head_dim
     stored = per_layer * (c8 * 1 + (layers - c8) * fsize)

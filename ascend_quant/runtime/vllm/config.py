@@ -168,8 +168,7 @@ class AscendQuantConfig(QuantizationConfig):
     def c8_layers(self) -> list[str]:
         """Checkpoint prefixes (e.g. model.layers.3.self_attn) that carry C8 KV-cache scales."""
         return sorted(p for k, v in self.description.items()
-                      if v == "C8" and (p := self.spec.kv_cache_parent(k)) is not None
-                      and k.endswith(".kv_cache_scale"))
+                      if v == "C8" and (p := self.spec.kv_cache_parent(k)) is not None)
 
     def kv_cache_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The C8 method for an attention layer whose checkpoint has KV-cache scales; None otherwise
@@ -178,9 +177,7 @@ class AscendQuantConfig(QuantizationConfig):
 
         if not isinstance(layer, Attention):
             return None
-        layer_prefix = prefix[: -len(self.spec.vllm_attention) - 1] if prefix.endswith(
-            "." + self.spec.vllm_attention) else prefix.rpartition(".")[0]
-        keys = [f"{layer_prefix}.{p}.kv_cache_scale" for p in self.spec.kv_projections]
+        keys = [f"{self.spec.layer_prefix(prefix)}.{p}.kv_cache_scale" for p in self.spec.kv_projections]
         present = [k in self.description for k in keys]
         if not any(present):
             return None
