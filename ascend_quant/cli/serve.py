@@ -179,7 +179,9 @@ def serve(path: str, vllm_args: tuple[str, ...]) -> None:
     report = verify(path)
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more; run `ascend-quant verify {path}`)" if len(report.problems) > 1 else ""
-        raise click.ClickException(f"{path}: {report.problems[0]}{more}")
+        first = report.problems[0]
+        where = "" if first.startswith(str(path)) else f"{path}: "     # read errors name the folder already
+        raise click.ClickException(f"{where}{first}{more}")
     cmd = _vllm_command(os.path.abspath(path), vllm_args)
     model = _value(cmd, "--served-model-name")
     keyed = _given(cmd, "--api-key") or bool(os.environ.get("VLLM_API_KEY"))
