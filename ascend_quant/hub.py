@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ascend_quant.formats.ascend import (INDEX_NAME, MODEL_SIDE_FILES, CheckpointError,
                                          read_checkpoint)
-from ascend_quant.schemes import SCHEMES
+from ascend_quant.schemes import C8, FLOAT, SCHEMES, is_float, is_kv
 
 CARD_NAME = "README.md"
 RECIPE_NAME = "ascend_quant_recipe.yaml"
@@ -83,9 +83,9 @@ def render_card(description: dict[str, str], meta: dict, calib: dict, recipe: st
     calibration record, recipe and eval results."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    scheme = meta.get("model_quant_type", "FLOAT")
+    scheme = meta.get("model_quant_type", FLOAT.name)
     group_size = int(meta.get("group_size", 0) or 0)
-    kv_int8 = meta.get("kv_cache_type") == "C8" or "C8" in description.values()
+    kv_int8 = meta.get("kv_cache_type") == C8.name or any(is_kv(t) for t in description.values())
     calib = {**(meta.get("metadata") or {}), **calib}
     base = calib.get("base_model")
     tags = ["ascend", "vllm", "quantized", "msmodelslim-format", scheme.lower().replace("_", "-")]
@@ -125,9 +125,9 @@ def render_card(description: dict[str, str], meta: dict, calib: dict, recipe: st
               "On Ascend hosts with vllm-ascend installed, vllm-ascend's own `ascend` method serves the schemes it "
               "supports."]
     notes = sorted({f"{s}: {SCHEMES[s].served_by_vllm_ascend}" for v in by_type.values() for s in v.split("/")
-                    if s in SCHEMES and s != "FLOAT"})
+                    if s in SCHEMES and not is_float(s)})
     if kv_int8:
-        notes.append(f"C8: {SCHEMES['C8'].served_by_vllm_ascend}")
+        notes.append(f"{C8.name}: {C8.served_by_vllm_ascend}")
     if notes:
         lines += ["", "vllm-ascend 0.23 support for what this checkpoint holds: " + "; ".join(notes) + "."]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")

@@ -44,7 +44,7 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.runtime.kernels.cpu import CpuBackend, cpu_has_vnni, vllm_cpu_ops
 from ascend_quant.runtime.kernels.reference import exact_int8_matmul
-from ascend_quant.runtime.qlinear import QuantLinear
+from ascend_quant.schemes import PreparedLinear
 
 SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072), "down_proj": (1536, 576)}
 TOKENS = {"decode": 1, "decode_batch8": 8, "prefill": 512}
@@ -79,10 +79,10 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
     w_q, s_w = numerics.quantize_weight(w, 8)
     x_q, _ = numerics.quantize_activation_dynamic(x)
     w_f32_t = w_q.float().t().contiguous()
-    dyn = QuantLinear.build("W8A8_DYNAMIC", {"weight": w_q, "weight_scale": s_w}, backend=backend)
+    dyn = PreparedLinear.build("W8A8_DYNAMIC", {"weight": w_q, "weight_scale": s_w}, backend=backend)
     s_x, o_x = numerics.activation_qparams(x.min(), x.max())
     deq = numerics.deq_scale(s_x, s_w)
-    static = QuantLinear.build("W8A8", {"weight": w_q, "input_scale": s_x, "input_offset": o_x, "deq_scale": deq,
+    static = PreparedLinear.build("W8A8", {"weight": w_q, "input_scale": s_x, "input_offset": o_x, "deq_scale": deq,
                                         "quant_bias": numerics.quant_bias(None, deq, o_x, w_q)}, backend=backend)
     out = {
         "fp32_matmul": timeit(lambda: x @ w.t()),

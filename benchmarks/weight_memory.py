@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/weight_memory.py CKPT [CKPT ...]
 
 For every quantized Linear of each checkpoint, the bytes of every tensor the CPU backend keeps
-after loading (`QuantLinear.build`, which vLLM's `process_weights_after_loading` calls; the
+after loading (`PreparedLinear.build`, which vLLM's `process_weights_after_loading` calls; the
 loaded parameters are dropped after it), against `n * k * 2` bytes of the bf16 weight.
 Writes benchmarks/results/weight_memory.{json,md}.
 """
@@ -20,7 +20,7 @@ import torch
 
 from ascend_quant.formats.ascend import read_checkpoint
 from ascend_quant.runtime.kernels.cpu import CpuBackend
-from ascend_quant.runtime.qlinear import LINEAR_SCHEMES, QuantLinear
+from ascend_quant.schemes import LINEAR_SCHEMES, PreparedLinear
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -50,7 +50,7 @@ def measure(path: str) -> dict:
             continue
         t = ckpt.tensors([f"{prefix}.{s}" for s in sorted(mod.schemes[scheme])])
         t = {name.rpartition(".")[2]: v for name, v in t.items()}
-        ql = QuantLinear.build(scheme, t, backend=backend, dtype=torch.bfloat16)
+        ql = PreparedLinear.build(scheme, t, backend=backend, dtype=torch.bfloat16)
         b = _tensor_bytes(ql, set())
         f = ql.n * ql.k * 2
         held += b

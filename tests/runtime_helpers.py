@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import write_checkpoint
 from ascend_quant.arch import DEFAULT as LLAMA_SPEC
+from ascend_quant.schemes import QuantizedLinear, checkpoint_entries, get_scheme
 from conftest import FIXTURES, fixture_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -90,43 +91,24 @@ def quantize_tiny(model_dir: Path, out: Path, schemes: dict[str, str], *, group_
             w, bias = state[f"{p}.weight"], state.get(f"{p}.bias")
             if scheme == "FLOAT":
                 put(f"{p}.weight", w, "FLOAT")
-            elif scheme == "W8A8":
+                if bias is not None:
+                    put(f"{p}.bias", bias, "FLOAT")
+                continue
+            row_parallel = LLAMA_SPEC.is_row_parallel(p)
+            if scheme == "W8A8":
                 w_q, s_w = numerics.quantize_weight(w, 8)
                 s_x, o_x = numerics.activation_qparams(*ranges[p])
-                deq = numerics.deq_scale(s_x, s_w)
-                put(f"{p}.weight", w_q, "W8A8")
-                put(f"{p}.input_scale", s_x, "W8A8")
-                put(f"{p}.input_offset", o_x, "W8A8")
-                put(f"{p}.deq_scale", numerics.encode_deq_scale(deq, deq_dtype), "W8A8")
-                put(f"{p}.quant_bias", numerics.quant_bias(bias, deq, o_x, w_q), "W8A8")
-            elif scheme in ("W8A8_DYNAMIC", "W8A16"):
-                w_q, s = numerics.quantize_weight(w, 8)
-                put(f"{p}.weight", w_q, scheme)
-                put(f"{p}.weight_scale", s, scheme)
-                put(f"{p}.weight_offset", torch.zeros_like(s), scheme)
-            elif scheme == "W4A16":
-                w4, s = numerics.quantize_weight(w, 4, group_size)
-                put(f"{p}.weight", numerics.pack_int4(w4), scheme)
-                put(f"{p}.weight_scale", s, scheme)
-                put(f"{p}.weight_offset", torch.zeros_like(s), scheme)
-            elif scheme in ("W4A8_DYNAMIC", "W4A8_GROUP"):
-                chunks = numerics.scale_bias_chunks(LLAMA_SPEC.is_row_parallel(p))
-                if scheme == "W4A8_DYNAMIC":
-                    w4, s = numerics.quantize_weight(w, 4)
-                    sb = numerics.scale_bias(w4, s, chunks)
-                else:
-                    w4, s, s2 = numerics.two_stage_int4(w, group_size)
-                    sb = numerics.scale_bias(w4, numerics.two_stage_scale(s, s2), chunks)
-                    put(f"{p}.weight_scale_second", s2, "W4A8_DYNAMIC")
-                    put(f"{p}.weight_offset_second", torch.zeros_like(s2, dtype=torch.int64), "W4A8_DYNAMIC")
-                put(f"{p}.weight", numerics.pack_int4(w4), "W4A8_DYNAMIC")
-                put(f"{p}.weight_scale", s, "W4A8_DYNAMIC")
-                put(f"{p}.weight_offset", torch.zeros_like(s), "W4A8_DYNAMIC")
-                put(f"{p}.scale_bias", sb, "W4A8_DYNAMIC")
+                ql = QuantizedLinear(scheme, w_q, s_w, bias, input_scale=s_x, input_offset=o_x)
+            elif scheme == "W4A8_GROUP":           # the scheme's two-stage per-group form
+                w4, s1, s2 = numerics.two_stage_int4(w, group_size)
+                ql = QuantizedLinear("W4A8_DYNAMIC", w4, s1, bias, s2, row_parallel=row_parallel)
             else:
-                raise ValueError(scheme)
-            if bias is not None:
-                put(f"{p}.bias", bias, "FLOAT")
+                info = get_scheme(scheme)
+                w_q, s = numerics.quantize_weight(w, info.weight_bits, group_size if info.weight_granularity == "group"
+                                                  else 0)
+                ql = QuantizedLinear(scheme, w_q, s, bias, row_parallel=row_parallel)
+            for name, (t, qtype) in checkpoint_entries(ql, p, deq_dtype).items():
+                put(name, t, qtype)
     for name, t in state.items():
         if name not in tensors and name.rpartition(".")[0] not in done:
             put(name, t, "FLOAT")

@@ -12,7 +12,7 @@ from ascend_quant.runtime.kernels import npu_emulation
 from ascend_quant.runtime.kernels.cpu import CpuBackend, cpu_has_vnni, vllm_cpu_ops
 from ascend_quant.runtime.kernels.npu import NpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
-from ascend_quant.runtime.qlinear import QuantLinear
+from ascend_quant.schemes import PreparedLinear
 
 REF = ReferenceBackend()
 
@@ -176,7 +176,7 @@ def test_npu_backend_passes_the_documented_layouts():
 @pytest.mark.parametrize("b", BACKENDS)
 @pytest.mark.parametrize("scheme", ["W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC", "W4A8_group"])
 def test_quant_linear_matches_reference(b, scheme):
-    """One Linear per scheme through QuantLinear on each backend vs the reference backend."""
+    """One Linear per scheme through PreparedLinear on each backend vs the reference backend."""
     w, x = _weights(n=64, k=128)
     bias = torch.randn(64) * 0.1
     t: dict[str, torch.Tensor] = {}
@@ -201,8 +201,8 @@ def test_quant_linear_matches_reference(b, scheme):
         w4, s1, s2 = numerics.two_stage_int4(w, 32)
         t = dict(weight=numerics.pack_int4(w4), weight_scale=s1, weight_offset=torch.zeros_like(s1),
                  weight_scale_second=s2, weight_offset_second=torch.zeros_like(s2, dtype=torch.int64))
-    got = QuantLinear.build(name, t, backend=b)(x, bias)
-    want = QuantLinear.build(name, t, backend=REF)(x, bias)
+    got = PreparedLinear.build(name, t, backend=b)(x, bias)
+    want = PreparedLinear.build(name, t, backend=REF)(x, bias)
     if b.name == "npu" and name == "W4A8_DYNAMIC":
         # vllm-ascend serves dense W4A8 weight-only: within activation-rounding error of the reference
         assert (got - want).abs().max() < 0.05 * want.abs().max()

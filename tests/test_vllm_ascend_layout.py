@@ -45,7 +45,7 @@ CASES = [
     ("W4A8_DYNAMIC-g32-row", "W4A8_DYNAMIC", "bfloat16", 32, True),
 ]
 # What our format allows and vllm-ascend 0.23 refuses on a dense Linear, with how it refuses;
-# schemes.py's `served_by_vllm_ascend` says so to users (checked below).
+# each scheme's `served_by_vllm_ascend` (ascend_quant/schemes/) says so to users (checked below).
 UNSERVED = [
     ("W8A16-g32", "W8A16", "bfloat16", 32, False, "weight_scale: ours"),          # per-channel only
     ("W4A8_DYNAMIC-per-channel", "W4A8_DYNAMIC", "bfloat16", 0, False, "ZeroDivisionError"),

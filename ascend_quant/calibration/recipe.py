@@ -19,6 +19,7 @@ The recipe actually used is saved next to the checkpoint as `ascend_quant_recipe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
@@ -28,11 +29,9 @@ import yaml
 
 from ascend_quant.calibration.kv import KV_METHODS
 from ascend_quant.arch import FAMILIES
-from ascend_quant.schemes import CLI_NAMES, SCHEMES
+from ascend_quant.schemes import CLI_NAMES, FLOAT, SCHEMES, W8A8_DYNAMIC, get_scheme
 
 RECIPE_FILE = "ascend_quant_recipe.yaml"
-# SmoothQuant alphas the presets search per group (with "no smoothing")
-SEARCH_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 class RecipeError(Exception):
@@ -85,7 +84,7 @@ class Override:
 
 @dataclass
 class Recipe:
-    scheme: str = "W8A8_DYNAMIC"      # description name
+    scheme: str = W8A8_DYNAMIC.name   # description name
     method: str = "gptq"
     group_size: int = 0
     smoothquant: SmoothQuant | None = None
@@ -99,7 +98,7 @@ class Recipe:
     def scheme_for(self, module: str) -> str:
         """The description type for a Linear (FLOAT if ignored)."""
         if any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
-            return "FLOAT"
+            return FLOAT.name
         scheme = self.scheme
         for o in self.overrides:
             if o.scheme and fnmatch.fnmatchcase(module, o.match):
@@ -122,49 +121,44 @@ class Recipe:
 
 def normalize_scheme(name: str) -> str:
     low = str(name).lower()
-    if low == "float":
-        return "FLOAT"
     if low in CLI_NAMES:
         return CLI_NAMES[low]
-    if name in SCHEMES and name not in ("C8",):
+    if name in SCHEMES and not SCHEMES[name].kv_cache:
         return name
     raise RecipeError(f"unknown scheme {name!r} (use {', '.join(CLI_NAMES)})")
 
 
 def preset(scheme: str, group_size: int | None = None) -> Recipe:
-    """The recipe we recommend for a scheme (measured on SmolLM2-135M; see README)."""
-    s = normalize_scheme(scheme)
-    if s == "FLOAT":      # weights stay float: only the KV cache (with kv_cache set) is quantized
-        return Recipe(s, method="minmax", kv_cache=KVCache())
-    # W8A16: plain per-channel rounding. On SmolLM2-135M (128 wiki paragraphs, 16k held-out
-    # tokens) it scored -0.03% against float, GPTQ +0.23%: at 8 bits with weight-only
-    # quantization the error is too small for GPTQ's calibration fit to pay off.
-    if s == "W8A16":
-        return Recipe(s, method="minmax", group_size=group_size or 0)
-    # W8A8_DYNAMIC: SmoothQuant alpha per group, then min-max weights. On SmolLM2-135M (128
-    # wiki paragraphs; perplexity on the first / the next 16k held-out tokens): alpha 0.8
-    # everywhere +1.34% / +1.47%; qkv 0.8, gate_up 0.9, down 0.5 +0.68% / +1.16% (down
-    # 0.4 / 0.6 / 0.7: +1.39 / +0.87 / +1.30% on the first set: down_proj's input decides).
-    # The per-group search (`alphas`) scored +0.75% to +1.17% on the first set depending on
-    # its 256-token sample, so the preset is fixed; GPTQ on top costs 1.3x the time.
-    if s == "W8A8_DYNAMIC":
-        return Recipe(s, method="minmax", gptq=GPTQ(mse_scales=False),
-                      smoothquant=SmoothQuant(alpha=0.8, group_alpha={"gate_up": 0.9, "down": 0.5}))
-    if s == "W8A8":
-        # down_proj stays float: its input (silu(gate) * up) carries token outliers of several
-        # hundred in late layers, which one per-tensor int8 range cannot hold; percentile
-        # clipping of such outliers costs more than it saves, while the range that minimises
-        # the Linears' output error ("mse") beats plain min-max (measured, see README).
-        return Recipe(s, method="gptq", smoothquant=SmoothQuant(alpha=0.8), gptq=GPTQ(mse_scales=False),
-                      activations=Activations("mse"), ignore=["lm_head", "*.mlp.down_proj"])
-    if s == "W4A16":
-        return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size)
-    # W4A8: 4-bit weights take little of the activations' outliers: alpha 0.8 everywhere
-    # +30.1%, 0.5 +20.9%, none +23.5%, searched per group +18.4% (same data as above)
-    if s == "W4A8_DYNAMIC":
-        return Recipe(s, method="gptq", group_size=64 if group_size is None else group_size,
-                      smoothquant=SmoothQuant(alpha=0.5, alphas=list(SEARCH_ALPHAS)))
-    raise RecipeError(f"no preset for {scheme!r}")
+    """The recipe we recommend for a scheme: its `preset` (ascend_quant.schemes, measured on
+    SmolLM2-135M; see README), with `group_size` (or the scheme's default) where the scheme
+    takes one."""
+    s = get_scheme(normalize_scheme(scheme))
+    recipe = Recipe(s.name, group_size=s.group_size_for(s.default_group_size if group_size is None else group_size))
+    _apply(recipe, copy.deepcopy(s.preset), f"preset {s.name}")
+    return recipe
+
+
+def _apply(recipe: Recipe, data: dict, where: str) -> None:
+    """Recipe-file keys (all but `scheme`) onto `recipe`."""
+    for key, value in data.items():
+        at = f"{where}: {key}"
+        if key == "smoothquant":
+            recipe.smoothquant = _build(SmoothQuant, value, at)
+        elif key == "activations":
+            recipe.activations = _build(Activations, value, at)
+        elif key == "gptq":
+            recipe.gptq = _build(GPTQ, value, at)
+        elif key == "kv_cache":
+            recipe.kv_cache = _build(KVCache, value, at)
+        elif key == "overrides":
+            recipe.overrides = [_build(Override, o, f"{at}[{i}]") for i, o in enumerate(value or [])]
+            for o in recipe.overrides:
+                if o.scheme:
+                    normalize_scheme(o.scheme)
+        elif key in ("method", "group_size", "ignore"):
+            setattr(recipe, key, value)
+        else:
+            raise RecipeError(f"{where}: unknown key {key!r}")
 
 
 def _build(cls, data: dict, where: str):
@@ -194,25 +188,7 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         scheme = normalize_scheme(data.pop("scheme"))
         recipe = preset(scheme, data.get("group_size"))
-        for key, value in data.items():
-            where = f"{path}: {key}"
-            if key == "smoothquant":
-                recipe.smoothquant = _build(SmoothQuant, value, where)
-            elif key == "activations":
-                recipe.activations = _build(Activations, value, where)
-            elif key == "gptq":
-                recipe.gptq = _build(GPTQ, value, where)
-            elif key == "kv_cache":
-                recipe.kv_cache = _build(KVCache, value, where)
-            elif key == "overrides":
-                recipe.overrides = [_build(Override, o, f"{where}[{i}]") for i, o in enumerate(value or [])]
-                for o in recipe.overrides:
-                    if o.scheme:
-                        normalize_scheme(o.scheme)
-            elif key in ("method", "group_size", "ignore"):
-                setattr(recipe, key, value)
-            else:
-                raise RecipeError(f"{path}: unknown key {key!r}")
+        _apply(recipe, data, str(path))
     except RecipeError as e:
         raise RecipeError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
@@ -233,7 +209,7 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: kv_cache.method must be one of {', '.join(KV_METHODS)}")
     if recipe.kv_cache and recipe.kv_cache.dtype != "int8":
         raise RecipeError(f"{where}: kv_cache.dtype must be int8")
-    if recipe.group_size and SCHEMES[recipe.scheme].weight_bits == 8 and recipe.scheme != "W8A16":
+    if recipe.group_size and not get_scheme(recipe.scheme).group_size_for(recipe.group_size):
         raise RecipeError(f"{where}: {recipe.scheme} is per-channel only; drop group_size")
     sq = recipe.smoothquant
     if sq and not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ascend_quant.schemes import SCHEMES
+from ascend_quant.schemes import C8, FLOAT, SCHEMES, is_float, is_kv, is_linear
 
 DESCRIPTION_NAME = "quant_model_description.json"
 WEIGHTS_NAME = "quant_model_weights.safetensors"
@@ -148,7 +148,7 @@ class Checkpoint:
 
     @property
     def kv_cache_int8(self) -> bool:
-        return self.meta.get("kv_cache_type") == "C8" or "C8" in self.description.values()
+        return self.meta.get("kv_cache_type") == C8.name or any(is_kv(t) for t in self.description.values())
 
 
 # ------------------------------------------------------------------------ reading
@@ -345,8 +345,8 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 def dominant_quant_type(description: Mapping[str, str]) -> str:
     """The most common quant type among `.weight` keys that are quantized (FLOAT if none)."""
     counts = Counter(t for name, t in description.items()
-                     if name.endswith(".weight") and t not in ("FLOAT", "C8"))
-    return counts.most_common(1)[0][0] if counts else "FLOAT"
+                     if name.endswith(".weight") and is_linear(t))
+    return counts.most_common(1)[0][0] if counts else FLOAT.name
 
 
 def build_description(description: Mapping[str, str], group_size: int = 0,
@@ -358,9 +358,9 @@ def build_description(description: Mapping[str, str], group_size: int = 0,
     out: dict = {"version": FORMAT_VERSION,
                  "model_quant_type": dominant_quant_type(description),
                  "group_size": int(group_size)}
-    if "C8" in description.values():
-        out["kv_cache_type"] = "C8"
-        out["kv_quant_type"] = "C8"   # msModelSlim writes both spellings
+    if any(is_kv(t) for t in description.values()):
+        out["kv_cache_type"] = C8.name
+        out["kv_quant_type"] = C8.name   # msModelSlim writes both spellings
     out["metadata"] = dict(metadata or {})
     out["optional"] = {}
     out.update(description)
@@ -529,5 +529,5 @@ def iter_linear_weights(ckpt: Checkpoint) -> Iterator[tuple[str, str]]:
     """(module prefix, scheme) of every quantized Linear (a `.weight` with a non-FLOAT type)."""
     for prefix, mod in ckpt.modules().items():
         scheme = mod.weight_scheme
-        if scheme not in (None, "FLOAT"):
+        if scheme is not None and not is_float(scheme):
             yield prefix, scheme

@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import Checkpoint
+from ascend_quant.schemes import is_float
 
 SCALE_SUFFIXES = frozenset({"weight_scale", "weight_scale_second", "input_scale", "deq_scale",
                             "kv_cache_scale", "k_cache_scale", "v_cache_scale"})
@@ -40,7 +41,7 @@ def tensor_problems(name: str, qtype: str | None, tensor: torch.Tensor) -> list[
     used in the messages. `tensor` is read as stored: a deq_scale may be either encoding.
     """
     suffix = name.rpartition(".")[2]
-    what = f"{qtype} {suffix}" if qtype and qtype != "FLOAT" else suffix
+    what = f"{qtype} {suffix}" if qtype and not is_float(qtype) else suffix
     if suffix == "deq_scale" and tensor.dtype == torch.int64:
         outside = (tensor < _INT64_FLOAT_BITS[0]) | (tensor > _INT64_FLOAT_BITS[1])
         if bool(outside.any()):

@@ -66,12 +66,12 @@ from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_N
                                          write_checkpoint)
 from ascend_quant.arch import ArchSpec, spec_for_config
 from ascend_quant.arch.spec import LAYER_PATTERN
-from ascend_quant.schemes import SCHEMES
+from ascend_quant import schemes
+from ascend_quant.schemes import C8, FLOAT, SCHEMES, QuantizedLinear, SchemeError, is_float, is_kv, is_linear, w8a8
 
 TARGETS = ("ascend-v1", "compressed-tensors")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_ULP_SEARCH = 4
 
 
 class ConversionError(Exception):
@@ -226,50 +226,25 @@ def _is_linear_weight(name: str, t_shape: tuple[int, ...]) -> bool:
 
 def recover_weight_scale(deq: torch.Tensor, input_scale: torch.Tensor, stored: torch.Tensor | None = None,
                          where: str = "") -> torch.Tensor:
-    """The float32 per-channel weight scale `s_w` [n] with `numerics.deq_scale(s_x, s_w) == deq`
-    bit for bit: the stored weight_scale when it reproduces deq_scale, else `deq / s_x` moved by
-    up to a few ulp until the product matches (it exists whenever deq was made as s_x * s_w)."""
-    deq = deq.float().reshape(-1)
-    if stored is not None:
-        s = stored.float().reshape(-1)
-        if s.shape == deq.shape and torch.equal(numerics.deq_scale(input_scale, s), deq):
-            return s
-    s = deq / input_scale.float().reshape(-1)
-    found = torch.equal(numerics.deq_scale(input_scale, s), deq)
-    if found:
-        return s
-    best = s.clone()
-    ok = numerics.deq_scale(input_scale, s) == deq
-    for direction in (float("inf"), float("-inf")):
-        cand = s.clone()
-        for _ in range(_ULP_SEARCH):
-            cand = torch.nextafter(cand, torch.full_like(cand, direction))
-            hit = (numerics.deq_scale(input_scale, cand) == deq) & ~ok
-            best[hit] = cand[hit]
-            ok |= hit
-    if not bool(ok.all()):
-        raise ConversionError(f"{where}: deq_scale of {int((~ok).sum())} channel(s) is not input_scale times any "
-                              "float32 weight scale; no exact compressed-tensors equivalent")
-    return best
+    """`schemes.w8a8.recover_weight_scale`, failing as a ConversionError."""
+    try:
+        return w8a8.recover_weight_scale(deq, input_scale, stored, where)
+    except SchemeError as e:
+        raise ConversionError(f"{e}; no exact compressed-tensors equivalent") from None
 
 
 # ------------------------------------------------------------- dequantized weights
 
+def _unpack(scheme: str, t: Mapping[str, torch.Tensor], where: str) -> QuantizedLinear:
+    try:
+        return SCHEMES[scheme].unpack(dict(t), where)
+    except SchemeError as e:
+        raise ConversionError(f"{e}; no exact compressed-tensors equivalent") from None
+
+
 def ascend_dequantized(scheme: str, t: Mapping[str, torch.Tensor], where: str = "") -> torch.Tensor:
-    """The float32 weight [n, k] an Ascend Linear's tensors stand for (by suffix)."""
-    bits = SCHEMES[scheme].weight_bits
-    w = t["weight"].to(torch.int8)
-    w = numerics.unpack_int4(w) if bits == 4 else w
-    if scheme == "W8A8":
-        s = recover_weight_scale(numerics.decode_deq_scale(t["deq_scale"]), t["input_scale"],
-                                 t.get("weight_scale"), where)
-        return numerics.dequantize(w, s.reshape(-1, 1))
-    if scheme == "W4A8_DYNAMIC" and "weight_scale_second" in t:
-        return numerics.dequantize(w, numerics.two_stage_scale(t["weight_scale"].float(),
-                                                               t["weight_scale_second"].float()))
-    offset = t.get("weight_offset")
-    scale = t["weight_scale"].float().reshape(w.shape[0], -1)
-    return numerics.dequantize(w, scale, None if offset is None else offset.float().reshape(w.shape[0], -1))
+    """The float32 weight [n, k] an Ascend Linear's tensors stand for (by suffix), as served."""
+    return SCHEMES[scheme].served_weight(_unpack(scheme, t, where))
 
 
 def ct_dequantized(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,7 +274,7 @@ def dequantized_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     out = {}
     for prefix, mod in ckpt.modules().items():
         scheme = mod.weight_scheme
-        if scheme in SCHEMES and SCHEMES[scheme].weight_bits:
+        if is_linear(scheme):
             sub = {s: t[f"{prefix}.{s}"] for s in mod.schemes[scheme]}
             out[prefix] = ascend_dequantized(scheme, sub, f"{ckpt.description_file.name}: {prefix}")
     return out
@@ -336,7 +311,7 @@ def ascend_to_ascend(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | Non
             if not t.is_floating_point():
                 raise ConversionError(f"{ckpt.tensor_files[name].name}: {t.dtype} tensor {name!r} has no entry in "
                                       f"{desc_name}; its quant type cannot be guessed")
-            description[name] = "FLOAT"
+            description[name] = FLOAT.name
             added.append(name)
     if added:
         notes.append(f"added FLOAT entries for {len(added)} undescribed float tensor(s) (e.g. {added[0]})")
@@ -348,7 +323,7 @@ def ascend_to_ascend(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | Non
         _set_config_dtype(config, serve_dtype)
     if target is not None:
         n_changed = 0
-        for name in [n for n in tensors if n.endswith(".deq_scale") and description.get(n) == "W8A8"]:
+        for name in [n for n in tensors if n.endswith(".deq_scale") and is_linear(description.get(n))]:
             want = numerics.deq_scale_dtype_for(target)
             if tensors[name].dtype != want:
                 decoded = numerics.decode_deq_scale(tensors[name])
@@ -402,8 +377,8 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
     t = ckpt.tensors()
     _refuse_bad_values(t, ckpt.description, lambda name: ckpt.tensor_files[name].name)
     modules = ckpt.modules()
-    linear_prefixes = {p for p, m in modules.items() if m.weight_scheme not in (None, "C8")
-                       and (m.weight_scheme != "FLOAT" or _is_linear_weight(f"{p}.weight",
+    linear_prefixes = {p for p, m in modules.items() if m.weight_scheme is not None and not is_kv(m.weight_scheme)
+                       and (not is_float(m.weight_scheme) or _is_linear_weight(f"{p}.weight",
                                                                              tuple(t[f"{p}.weight"].shape)))}
     out_t: dict[str, torch.Tensor] = {}
     signature_of: dict[str, tuple] = {}
@@ -416,24 +391,24 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
         for suffix in sorted(mod.suffixes):
             qtype = mod.scheme_of(suffix)
             name = f"{prefix}.{suffix}"
-            if qtype == "C8":
+            if is_kv(qtype):
                 kv[name] = t[name]
-            elif qtype == "FLOAT" and suffix == "bias" and prefix not in linear_prefixes and \
+            elif is_float(qtype) and suffix == "bias" and prefix not in linear_prefixes and \
                     "norm" in prefix.rpartition(".")[2]:
                 raise ConversionError(f"{ckpt.tensor_files[name].name}: {name} is an RMSNorm bias left by "
                                       "smoothing; compressed-tensors has no equivalent (vLLM's RMSNorm has no bias "
                                       "and drops it silently)")
-        if scheme in (None, "C8"):
+        if scheme is None or is_kv(scheme):
             continue
-        if scheme == "FLOAT":
-            for suffix in mod.schemes["FLOAT"]:
+        if is_float(scheme):
+            for suffix in mod.schemes[scheme]:
                 out_t[f"{prefix}.{suffix}"] = t[f"{prefix}.{suffix}"]
             if prefix in linear_prefixes:
                 ignore.append(prefix)
             continue
         where = f"{ckpt.tensor_files[prefix + '.weight'].name}: {prefix}"
         sub = {s: t[f"{prefix}.{s}"] for s in mod.schemes[scheme]}
-        bias = t.get(f"{prefix}.bias") if mod.scheme_of("bias") == "FLOAT" else None
+        bias = t.get(f"{prefix}.bias") if is_float(mod.scheme_of("bias")) else None
         sig, tensors_ct = _ascend_linear_to_ct(scheme, sub, bias, where, ckpt.group_size)
         signature_of[prefix] = sig
         for s, v in tensors_ct.items():
@@ -485,47 +460,30 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
 def _ascend_linear_to_ct(scheme: str, t: Mapping[str, torch.Tensor], bias: torch.Tensor | None, where: str,
                          group_size: int) -> tuple[tuple, dict[str, torch.Tensor]]:
     """One quantized Linear: ((bits, strategy, group_size), activation, format) and its CT tensors."""
-    bits = SCHEMES[scheme].weight_bits
-    w = t["weight"].to(torch.int8)
-    w = numerics.unpack_int4(w) if bits == 4 else w
-    n, k = w.shape
-    offset = t.get("weight_offset")
-    if offset is not None and bool(torch.any(offset != 0)):
-        raise ConversionError(f"{where}: {scheme} with a nonzero weight_offset (asymmetric weights) is not converted")
-    if scheme == "W8A8":
-        s_x = t["input_scale"].float().reshape(1)
-        o_x = t["input_offset"].float().reshape(1)
+    s = SCHEMES[scheme]
+    for suffix, value in t.items():
+        if suffix.startswith("weight_offset") and bool(torch.any(value != 0)):
+            raise ConversionError(f"{where}: {scheme} with a nonzero {suffix} (asymmetric weights) is not converted")
+    ql = _unpack(scheme, t, where)
+    n, k = ql.q.shape
+    scale = s.served_scale(ql).reshape(n, -1)
+    weights = (s.weight_bits, "channel", None) if scale.shape[-1] == 1 else (s.weight_bits, "group", ql.group_size)
+    if s.activation_mode == "static":
         deq = numerics.decode_deq_scale(t["deq_scale"]).reshape(-1)
-        s_w = recover_weight_scale(deq, s_x, t.get("weight_scale"), where)
-        expected = numerics.quant_bias(bias, deq, o_x, w)
+        expected = numerics.quant_bias(bias, deq, ql.input_offset, ql.q)
         if not torch.equal(expected, t["quant_bias"].to(torch.int32).reshape(-1)):
             raise ConversionError(f"{where}: quant_bias does not follow from the float bias and input_offset; "
                                   "no compressed-tensors equivalent")
+        o_x = ql.input_offset
         if o_x.round() != o_x or not -128 <= float(o_x) <= 127:
             raise ConversionError(f"{where}: input_offset {float(o_x)} is not an int8 zero point")
-        return ((8, "channel", None), "static", ctf.INT_QUANTIZED), {
-            "weight": w, "weight_scale": s_w.reshape(n, 1), "input_scale": s_x,
-            "input_zero_point": o_x.to(torch.int8)}
-    if scheme == "W8A8_DYNAMIC":
-        return ((8, "channel", None), "dynamic", ctf.INT_QUANTIZED), {
-            "weight": w, "weight_scale": t["weight_scale"].float().reshape(n, 1)}
-    if scheme == "W4A8_DYNAMIC":
-        if "weight_scale_second" in t:
-            if t.get("weight_offset_second") is not None and bool(torch.any(t["weight_offset_second"] != 0)):
-                raise ConversionError(f"{where}: nonzero weight_offset_second (asymmetric) is not converted")
-            scale = numerics.two_stage_scale(t["weight_scale"].float(), t["weight_scale_second"].float())
-            g = k // scale.shape[-1]
-            return ((4, "group", g), "dynamic", ctf.INT_QUANTIZED), {"weight": w, "weight_scale": scale}
-        return ((4, "channel", None), "dynamic", ctf.INT_QUANTIZED), {
-            "weight": w, "weight_scale": t["weight_scale"].float().reshape(n, 1)}
-    # weight-only W8A16 / W4A16: pack-quantized
-    scale = t["weight_scale"].float().reshape(n, -1)
-    if scale.shape[-1] == 1:
-        qa = (bits, "channel", None)
-    else:
-        qa = (bits, "group", k // scale.shape[-1])
-    return (qa, "none", ctf.PACK_QUANTIZED), {
-        "weight_packed": ctf.pack_int32(w, bits), "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+        return (weights, "static", ctf.INT_QUANTIZED), {
+            "weight": ql.q, "weight_scale": scale, "input_scale": ql.input_scale, "input_zero_point": o_x.to(torch.int8)}
+    if s.activation_mode == "dynamic":
+        return (weights, "dynamic", ctf.INT_QUANTIZED), {"weight": ql.q, "weight_scale": scale}
+    # weight-only: pack-quantized
+    return (weights, "none", ctf.PACK_QUANTIZED), {
+        "weight_packed": ctf.pack_int32(ql.q, s.weight_bits), "weight_shape": torch.tensor([n, k], dtype=torch.int64),
         "weight_scale": scale}
 
 
@@ -580,7 +538,7 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
     consumed: set[str] = set()
     tensors: dict[str, torch.Tensor] = {}
     description: dict[str, str] = {}
-    group_sizes: dict[str, set[int]] = {"W4A8": set(), "W4A16": set()}
+    group_sizes: dict[str, set[int]] = {"two-stage": set(), "group": set()}
     before: dict[str, torch.Tensor] = {}
     per_layer: dict[str, dict] = {}
     for prefix in quantized:
@@ -590,27 +548,25 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
         g = ct.group_for(prefix)
         if g is None:
             raise ConversionError(f"{where}: no config group targets this layer")
-        scheme, sub, q, w8a8_scale = _ct_linear_to_ascend(ct, g, prefix, t, where, target_dtype)
-        per_layer[prefix] = {"scheme": scheme, "tensors": sub, "q": q, "w8a8_scale": w8a8_scale}
+        ql, sub, w8a8_scale = _ct_linear_to_ascend(ct, g, prefix, t, where, target_dtype)
+        per_layer[prefix] = {"scheme": ql.scheme, "tensors": sub, "q": ql.q, "w8a8_scale": w8a8_scale}
         consumed |= {f"{prefix}.{s}" for s in ctf.QUANT_SUFFIXES if f"{prefix}.{s}" in t}
-        before[prefix] = ct_dequantized(q, t[f"{prefix}.weight_scale"])
-        if scheme in ("W4A16",):
-            group_sizes["W4A16"].add(q.shape[1] // sub["weight_scale"].shape[-1])
-        if scheme == "W4A8_DYNAMIC" and "weight_scale_second" in sub:
-            group_sizes["W4A8"].add(q.shape[1] // sub["weight_scale_second"].shape[-1])
-    if len(group_sizes["W4A8"]) > 1:
-        raise ConversionError(f"{ct.config_file}: per-group W4A8 layers use different group sizes "
-                              f"{sorted(group_sizes['W4A8'])}; the Ascend description has one group_size")
-    group_size = next(iter(group_sizes["W4A8"]), None)
+        before[prefix] = ct_dequantized(ql.q, t[f"{prefix}.weight_scale"])
+        if ql.group_size:
+            group_sizes["two-stage" if ql.scale_second is not None else "group"].add(ql.group_size)
+    if len(group_sizes["two-stage"]) > 1:
+        raise ConversionError(f"{ct.config_file}: two-stage per-group layers use different group sizes "
+                              f"{sorted(group_sizes['two-stage'])}; the Ascend description has one group_size")
+    group_size = next(iter(group_sizes["two-stage"]), None)
     if group_size is None:
-        group_size = next(iter(group_sizes["W4A16"])) if len(group_sizes["W4A16"]) == 1 else 0
-    # static W8A8: fused siblings must share one input scale / offset (vllm-ascend keeps one)
+        group_size = next(iter(group_sizes["group"])) if len(group_sizes["group"]) == 1 else 0
+    # static activations: fused siblings must share one input scale / offset (vllm-ascend keeps one)
     for prefix, layer in per_layer.items():
-        if layer["scheme"] != "W8A8":
+        if SCHEMES[layer["scheme"]].activation_mode != "static":
             continue
         for sib in spec_for_config(config).fused_siblings(prefix) or ():
             other = per_layer.get(sib)
-            if other is None or other["scheme"] != "W8A8":
+            if other is None or other["scheme"] != layer["scheme"]:
                 continue
             for s in ("input_scale", "input_offset"):
                 if not torch.equal(layer["tensors"][s], other["tensors"][s]):
@@ -639,7 +595,7 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
         else:
             for name, v in _ct_kv_to_c8(ct, t, kv_names, config).items():
                 tensors[name] = v
-                description[name] = "C8"
+                description[name] = C8.name
     # everything else stays float
     for name, v in t.items():
         if name in consumed:
@@ -651,15 +607,15 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
             raise ConversionError(f"{ct.file_of(name)}: {v.dtype} tensor {name} outside any quantized layer; "
                                   "no Ascend equivalent")
         tensors[name] = v
-        description[name] = "FLOAT"
+        description[name] = FLOAT.name
     if config is not None and serve_dtype is not None:
         _set_config_dtype(config, serve_dtype)
         notes.append(f"config.json dtype set to {_DTYPE_NAMES[serve_dtype]}")
-    if any(l["scheme"] == "W8A8" for l in per_layer.values()):
-        notes.append(f"static W8A8 deq_scale stored as {_fmt(numerics.deq_scale_dtype_for(target_dtype))} for "
+    if any("deq_scale" in l["tensors"] for l in per_layer.values()):
+        notes.append(f"deq_scale stored as {_fmt(numerics.deq_scale_dtype_for(target_dtype))} for "
                      f"{_fmt(target_dtype)} serving")
-    if any(l["scheme"] == "W4A16" for l in per_layer.values()):
-        notes.append("W4A16 is served by ascend-quant's runtime; vllm-ascend 0.23 does not serve it for dense Linears")
+    for name in sorted({l["scheme"] for l in per_layer.values()}):
+        notes.append(f"{name}: vllm-ascend 0.23 serves it for {SCHEMES[name].served_by_vllm_ascend}")
     _refuse_bad_values(tensors, description, lambda name: f"{ct.path.name} (converted)")
     write_checkpoint(out, tensors, description, group_size=group_size,
                      source_dir=side if side is not None else ct.path, config=_with_ascend_method(config))
@@ -667,10 +623,10 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
 
 
 def _ct_linear_to_ascend(ct: ctf.CTCheckpoint, g: ctf.Group, prefix: str, t: Mapping[str, torch.Tensor], where: str,
-                         target_dtype: torch.dtype) -> tuple[str, dict[str, torch.Tensor], torch.Tensor,
+                         target_dtype: torch.dtype) -> tuple[QuantizedLinear, dict[str, torch.Tensor],
                                                              torch.Tensor | None]:
-    """One compressed-tensors Linear -> (Ascend scheme, its tensors by suffix, int values [n, k],
-    the W8A8 weight scale that deq_scale was made from, else None)."""
+    """One compressed-tensors Linear -> (its QuantizedLinear, its Ascend tensors by suffix, the
+    weight scale that a static deq_scale was made from, else None)."""
     wq, iq = g.weights, g.input_activations
     if wq is None:
         raise ConversionError(f"{where}: group {g.name} quantizes activations only; no Ascend equivalent")
@@ -720,66 +676,43 @@ def _ct_linear_to_ascend(ct: ctf.CTCheckpoint, g: ctf.Group, prefix: str, t: Map
         if wq.group_size and k // scale.shape[1] != wq.group_size and not (scale.shape[1] == 1 and k < wq.group_size):
             raise ConversionError(f"{where}: weight_scale has {scale.shape[1]} groups of {k // scale.shape[1]}, "
                                   f"but config group {g.name} says group_size {wq.group_size}")
-    zeros = lambda s: torch.zeros_like(s)  # noqa: E731
+    row_parallel = spec_for_config(ct.config).is_row_parallel(prefix)
     if iq is None:                                       # weight-only
-        scheme = "W8A16" if wq.num_bits == 8 else "W4A16"
-        s = channel if channel is not None else scale
-        w = q if wq.num_bits == 8 else _pack_n(q, where)
-        return scheme, {"weight": w, "weight_scale": s, "weight_offset": zeros(s)}, q, None
-    if iq.type != "int" or iq.num_bits != 8:
+        mode, activation = "none", {}
+    elif iq.type != "int" or iq.num_bits != 8:
         raise ConversionError(f"{where}: {iq.type} {iq.num_bits}-bit activations have no Ascend equivalent "
                               "(int8 only)")
-    if iq.dynamic is True or iq.dynamic == "true":
+    elif iq.dynamic is True or iq.dynamic == "true":
         if iq.strategy != "token" or not iq.symmetric:
             raise ConversionError(f"{where}: dynamic activations must be per-token symmetric for Ascend "
                                   f"(got {iq.strategy}, symmetric={iq.symmetric})")
-        if wq.num_bits == 8:
-            if channel is None:
-                raise ConversionError(f"{where}: per-group int8 weights with int8 activations have no Ascend "
-                                      "equivalent (W8A8_DYNAMIC is per-channel)")
-            return "W8A8_DYNAMIC", {"weight": q, "weight_scale": channel, "weight_offset": zeros(channel)}, q, None
-        chunks = numerics.scale_bias_chunks(spec_for_config(ct.config).is_row_parallel(prefix))
-        packed = _pack_n(q, where)
-        if k % chunks:
-            raise ConversionError(f"{where}: in-features {k} do not split into {chunks} scale_bias chunks")
-        if channel is not None:
-            return "W4A8_DYNAMIC", {"weight": packed, "weight_scale": channel, "weight_offset": zeros(channel),
-                                    "scale_bias": numerics.scale_bias(q, channel, chunks)}, q, None
-        s1 = torch.ones(n, 1)         # two-stage layout with stage 1 = 1: s2 * bf16(1) == the group scale
-        sb = numerics.scale_bias(q, numerics.two_stage_scale(s1, scale), chunks)
-        return "W4A8_DYNAMIC", {"weight": packed, "weight_scale": s1, "weight_offset": zeros(s1),
-                                "weight_scale_second": scale,
-                                "weight_offset_second": torch.zeros_like(scale, dtype=torch.int64),
-                                "scale_bias": sb}, q, None
-    # static activations
-    if iq.strategy != "tensor":
-        raise ConversionError(f"{where}: static {iq.strategy} activations have no Ascend equivalent (per-tensor only)")
-    if wq.num_bits != 8 or channel is None:
-        raise ConversionError(f"{where}: static int8 activations with {wq.num_bits}-bit {wq.strategy} weights have no "
-                              "Ascend equivalent (static W8A8 is int8 per-channel)")
-    s_x = t.get(f"{prefix}.input_scale")
-    if s_x is None:
-        raise ConversionError(f"{where}: static activations but no input_scale")
-    s_x = s_x.float().reshape(-1)
-    zp = t.get(f"{prefix}.input_zero_point")
-    o_x = torch.zeros(1) if zp is None else zp.float().reshape(-1)
-    if s_x.numel() != 1 or o_x.numel() != 1:
-        raise ConversionError(f"{where}: input_scale/input_zero_point must hold one value")
-    deq = numerics.deq_scale(s_x, channel)
-    bias = t.get(f"{prefix}.bias")
-    sub = {"weight": q, "input_scale": s_x, "input_offset": o_x,
-           "deq_scale": numerics.encode_deq_scale(deq, target_dtype),
-           "quant_bias": numerics.quant_bias(bias, deq, o_x, q)}
-    # the Ascend layout keeps no W8A8 weight scale (only deq_scale = s_x * s_w); the caller
-    # checks deq_scale against this one
-    return "W8A8", sub, q, channel
-
-
-def _pack_n(q: torch.Tensor, where: str) -> torch.Tensor:
+        mode, activation = "dynamic", {}
+    else:
+        if iq.strategy != "tensor":
+            raise ConversionError(f"{where}: static {iq.strategy} activations have no Ascend equivalent "
+                                  "(per-tensor only)")
+        s_x = t.get(f"{prefix}.input_scale")
+        if s_x is None:
+            raise ConversionError(f"{where}: static activations but no input_scale")
+        zp = t.get(f"{prefix}.input_zero_point")
+        activation = {"input_scale": s_x.float().reshape(-1),
+                      "input_offset": torch.zeros(1) if zp is None else zp.float().reshape(-1)}
+        if activation["input_scale"].numel() != 1 or activation["input_offset"].numel() != 1:
+            raise ConversionError(f"{where}: input_scale/input_zero_point must hold one value")
+        mode = "static"
+    scheme = schemes.matching(wq.num_bits, mode)
+    if scheme is None:
+        raise ConversionError(f"{where}: {wq.num_bits}-bit weights with {mode} int8 activations have no Ascend "
+                              "equivalent")
     try:
-        return numerics.pack_int4(q)
-    except ValueError as e:
+        ql = scheme.from_scale(q, channel if channel is not None else scale, t.get(f"{prefix}.bias"),
+                               row_parallel=row_parallel, **activation)
+        sub = scheme.pack(ql, target_dtype)
+    except (SchemeError, ValueError) as e:
         raise ConversionError(f"{where}: {e}") from None
+    # static: the Ascend layout keeps no weight scale (only deq_scale = s_x * s_w); the caller
+    # checks deq_scale against this one
+    return ql, sub, channel if mode == "static" else None
 
 
 def _ct_kv_to_c8(ct: ctf.CTCheckpoint, t: Mapping[str, torch.Tensor], kv_names: list[str],

@@ -9,7 +9,7 @@ import torch
 
 from ascend_quant.arch import spec_for_config
 from ascend_quant.formats.ascend import Checkpoint, kv_geometry, text_config
-from ascend_quant.schemes import SCHEMES
+from ascend_quant.schemes import KV_SUFFIXES, SCHEMES, is_kv
 
 
 @dataclass
@@ -36,18 +36,18 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
         info = SCHEMES.get(scheme)
         weight = ckpt.infos.get(f"{prefix}.weight")
         shape = list(weight.shape) if weight else []
-        if info and info.weight_bits == 4 and shape:
+        if info and info.packed and shape:
             shape[0] *= 2
         if info is not None and info.weight_bits is not None:
             # float model: the weight in the float dtype plus its float bias; no quant tensors
             float_bytes = math.prod(shape) * fsize if shape else 0
             if f"{prefix}.bias" in ckpt.infos:
                 float_bytes += ckpt.infos[f"{prefix}.bias"].nbytes
-            kv = [n for n in names if n.rpartition(".")[2].startswith("kv_cache_")]
+            kv = [n for n in names if n.rpartition(".")[2] in KV_SUFFIXES]
             stored_cmp = stored - sum(ckpt.infos[n].nbytes for n in kv)
         else:
             numel = sum(ckpt.infos[n].nbytes // ckpt.infos[n].dtype.itemsize for n in names
-                        if not n.rpartition(".")[2].startswith("kv_cache_"))
+                        if n.rpartition(".")[2] not in KV_SUFFIXES)
             float_bytes = numel * fsize
             stored_cmp = stored
         if info is None or info.activation_bits is None or info.kv_cache:
@@ -88,7 +88,7 @@ def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
     kv_heads, head_dim = geometry
     spec = spec_for_config(ckpt.config)
     c8 = sum(1 for k, v in ckpt.description.items()
-             if v == "C8" and spec.kv_cache_parent(k) is not None)
+             if is_kv(v) and spec.kv_cache_parent(k) is not None)
     c8 = min(c8, layers)
     per_layer = 2 * kv_heads * head_dim
     stored = per_layer * (c8 * 1 + (layers - c8) * fsize)

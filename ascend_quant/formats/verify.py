@@ -17,7 +17,7 @@ from ascend_quant import numerics
 from ascend_quant.formats.ascend import Checkpoint, CheckpointError, TensorInfo, kv_geometry, read_checkpoint
 from ascend_quant.formats.checks import checkpoint_value_problems
 from ascend_quant.arch import spec_for_config
-from ascend_quant.schemes import SCHEMES, W4A8_GROUP_TENSORS
+from ascend_quant.schemes import C8, KV_SUFFIXES, SCHEMES, is_kv, is_linear
 
 
 @dataclass
@@ -35,42 +35,6 @@ class Report:
 
 
 
-# Per scheme: suffix -> (allowed dtypes, shape rule). Shape rules get (n, k, groups)
-# where n, k are the float weight's out/in features.
-_F32 = (torch.float32,)
-_SPECS = {
-    "W8A8": {
-        "weight": ((torch.int8,), lambda n, k, g: (n, k)),
-        "input_scale": (_F32, lambda n, k, g: (1,)),
-        "input_offset": (_F32, lambda n, k, g: (1,)),
-        "deq_scale": ((torch.float32, torch.int64), lambda n, k, g: (n,)),
-        "quant_bias": ((torch.int32,), lambda n, k, g: (n,)),
-    },
-    "W8A8_DYNAMIC": {
-        "weight": ((torch.int8,), lambda n, k, g: (n, k)),
-        "weight_scale": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, 1)),
-        "weight_offset": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, 1)),
-    },
-    "W8A16": {
-        "weight": ((torch.int8,), lambda n, k, g: (n, k)),
-        "weight_scale": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, g)),
-        "weight_offset": (_F32 + (torch.bfloat16,), lambda n, k, g: (n, g)),
-    },
-    "W4A16": {
-        "weight": ((torch.int8,), lambda n, k, g: (n // 2, k)),
-        "weight_scale": (_F32, lambda n, k, g: (n, g)),
-        "weight_offset": (_F32, lambda n, k, g: (n, g)),
-    },
-    "W4A8_DYNAMIC": {
-        "weight": ((torch.int8,), lambda n, k, g: (n // 2, k)),
-        "weight_scale": (_F32, lambda n, k, g: (n, 1)),
-        "weight_offset": (_F32, lambda n, k, g: (n, 1)),
-        "weight_scale_second": (_F32, lambda n, k, g: (n, g)),
-        "weight_offset_second": ((torch.int64, torch.float32), lambda n, k, g: (n, g)),
-    },
-}
-
-
 def verify(path: str | Path) -> Report:
     """Run every check on a folder; never raises for a bad folder (problems are reported)."""
     report = Report(str(path))
@@ -82,9 +46,8 @@ def verify(path: str | Path) -> Report:
     _check_files(ckpt, report)
     _check_index(ckpt, report)
     report.problems.extend(structure_problems(ckpt))
-    for prefix, mod in ckpt.modules().items():
-        if mod.weight_scheme == "W8A8":
-            _check_deq_dtype(ckpt, prefix, report)
+    for prefix in ckpt.modules():
+        _check_deq_dtype(ckpt, prefix, report)
     _check_layers_complete(ckpt, report)
     _check_fused(ckpt, report)
     report.problems.extend(checkpoint_value_problems(ckpt))
@@ -98,7 +61,7 @@ def structure_problems(ckpt: Checkpoint) -> list[str]:
     report = Report(str(ckpt.path))
     _check_keys(ckpt, report)
     for prefix, mod in ckpt.modules().items():
-        if mod.weight_scheme in _SPECS:
+        if is_linear(mod.weight_scheme):
             _check_linear(ckpt, prefix, mod.weight_scheme, report)
     _check_kv(ckpt, report)
     return report.problems
@@ -168,7 +131,7 @@ def _check_keys(ckpt: Checkpoint, report: Report) -> None:
         if name not in ckpt.infos:
             report.problems.append(f"{ckpt.description_file.name}: {name!r} is described but no weight file "
                                    "holds it")
-    quantized_weights = [n for n, t in desc.items() if n.endswith(".weight") and t not in ("FLOAT", "C8")]
+    quantized_weights = [n for n, t in desc.items() if n.endswith(".weight") and is_linear(t)]
     if ckpt.meta.get("model_quant_type") is None and quantized_weights:
         report.problems.append(f"{ckpt.description_file.name}: no top-level 'model_quant_type'")
 
@@ -177,73 +140,55 @@ def _info(ckpt: Checkpoint, name: str) -> TensorInfo | None:
     return ckpt.infos.get(name)
 
 
-def _check_linear(ckpt: Checkpoint, prefix: str, scheme: str, report: Report) -> None:
-    spec = _SPECS[scheme]
+def _check_linear(ckpt: Checkpoint, prefix: str, scheme_name: str, report: Report) -> None:
+    """The tensors, dtypes and shapes the scheme's `tensor_specs` asks for, and its value rules."""
+    scheme = SCHEMES[scheme_name]
     weight = _info(ckpt, f"{prefix}.weight")
     if weight is None:
         return  # reported by _check_keys
     fname = _rel(ckpt, f"{prefix}.weight")
     # Out/in features of the float weight, from the packed weight.
     if len(weight.shape) != 2:
-        report.problems.append(f"{fname}: {prefix}.weight of {scheme} must be 2-D, is {list(weight.shape)}")
+        report.problems.append(f"{fname}: {prefix}.weight of {scheme_name} must be 2-D, is {list(weight.shape)}")
         return
-    packed = SCHEMES[scheme].weight_bits == 4
     scale_info = _info(ckpt, f"{prefix}.weight_scale")
-    n, k = _out_features(weight, scale_info, packed), weight.shape[1]
-    if packed and (n % 2 or tuple(weight.shape) != (n // 2, k)):
+    n, k = _out_features(weight, scale_info, scheme.packed), weight.shape[1]
+    if scheme.packed and (n % 2 or tuple(weight.shape) != (n // 2, k)):
         report.problems.append(f"{fname}: {prefix}.weight holds packed int4 {list(weight.shape)}, but weight_scale "
                                f"says {n} out-features, so it must be [{n // 2}, {k}] (two int4 per byte along n)")
-    group_size = ckpt.group_size
-    groups = 1
-    scale_groups = scale_info.shape[-1] if scale_info is not None and scale_info.shape else 1
-    if scheme == "W4A16" or (scheme == "W8A16" and scale_groups != 1):
-        groups = scale_groups
-    two_stage = scheme == "W4A8_DYNAMIC" and _info(ckpt, f"{prefix}.weight_scale_second") is not None
-    if two_stage:
-        groups = k // group_size if group_size and k % group_size == 0 else -1
-        if groups == -1:
-            report.problems.append(f"{ckpt.description_file.name}: group_size {group_size} does not divide "
-                                   f"{prefix} in-features {k}")
-            return
-    for suffix, (dtypes, shape_rule) in spec.items():
+    shapes = {name[len(prefix) + 1:]: tuple(info.shape) for name, info in ckpt.infos.items()
+              if name.startswith(prefix + ".") and "." not in name[len(prefix) + 1:]}
+    group_size, two_stage = scheme.layout_of(shapes, ckpt.group_size)
+    if two_stage and ckpt.group_size and group_size != ckpt.group_size:
+        group_size = ckpt.group_size if k % ckpt.group_size == 0 else -1
+    if group_size < 0:
+        report.problems.append(f"{ckpt.description_file.name}: the group size of {prefix} (description "
+                               f"group_size {ckpt.group_size}) does not divide its in-features {k}")
+        return
+    row_parallel = spec_for_config(ckpt.config).is_row_parallel(prefix)
+    for suffix, spec in scheme.tensor_specs(n, k, group_size, two_stage=two_stage, row_parallel=row_parallel).items():
         name = f"{prefix}.{suffix}"
-        if suffix in W4A8_GROUP_TENSORS and not two_stage:
-            continue
-        if suffix == "weight" and packed:
-            shape_rule = lambda n, k, g: tuple(weight.shape)   # noqa: E731 (checked above, in one line)
         info = _info(ckpt, name)
         if info is None:
-            report.problems.append(f"{fname}: {scheme} layer {prefix} has no {suffix!r} tensor")
+            report.problems.append(f"{fname}: {scheme_name} layer {prefix} has no {suffix!r} tensor")
             continue
         typed = ckpt.description.get(name)
-        if typed is not None and typed != scheme:
+        if typed is not None and typed != scheme_name:
             report.problems.append(f"{ckpt.description_file.name}: {name!r} is typed {typed!r}, but its layer is "
-                                   f"{scheme} (every tensor of a quantized Linear has the weight's type)")
-        if info.dtype not in dtypes:
-            want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+                                   f"{scheme_name} (every tensor of a quantized Linear has the weight's type)")
+        if info.dtype not in spec.accepted:
+            want = " or ".join(str(d).replace("torch.", "") for d in spec.accepted)
             report.problems.append(f"{_rel(ckpt, name)}: {name} is {str(info.dtype).replace('torch.', '')}, "
-                                   f"{scheme} needs {want}")
-        want_shape = shape_rule(n, k, groups)
-        if suffix == "input_scale" or suffix == "input_offset":
-            ok = _numel(info.shape) == 1
-        else:
-            ok = tuple(info.shape) == want_shape
+                                   f"{scheme_name} needs {want}")
+        if suffix == "weight" and scheme.packed:
+            continue                        # checked above, in one line
+        ok = _numel(info.shape) == 1 if spec.param == "per_shard" else tuple(info.shape) == spec.shape
         if not ok:
             report.problems.append(f"{_rel(ckpt, name)}: {name} has shape {list(info.shape)}, "
-                                   f"expected {list(want_shape)}")
-    if scheme == "W4A8_DYNAMIC":
-        sb = _info(ckpt, f"{prefix}.scale_bias")
-        chunks = numerics.scale_bias_chunks(spec_for_config(ckpt.config).is_row_parallel(prefix))
-        if sb is None:
-            report.problems.append(f"{fname}: W4A8_DYNAMIC layer {prefix} has no 'scale_bias' tensor")
-        elif tuple(sb.shape) != (n, chunks):
-            report.problems.append(f"{_rel(ckpt, f'{prefix}.scale_bias')}: {prefix}.scale_bias has shape "
-                                   f"{list(sb.shape)}, expected {[n, chunks]}")
-    if scheme == "W8A16":
-        off = f"{prefix}.weight_offset"
-        if off in ckpt.infos and _nonzero(ckpt.tensor(off)):
-            report.problems.append(f"{_rel(ckpt, off)}: {off} is not zero; asymmetric W8A16 is computed "
-                                   "with the wrong sign on the NPU")
+                                   f"expected {list(spec.shape)}")
+    read = lambda name: ckpt.tensor(name) if name in ckpt.infos else None  # noqa: E731
+    for problem in scheme.value_problems(prefix, read):
+        report.problems.append(f"{_rel(ckpt, prefix + '.weight')}: {problem}")
 
 
 def _out_features(weight: TensorInfo, scale: TensorInfo | None, packed: bool) -> int:
@@ -322,9 +267,11 @@ def _check_fused(ckpt: Checkpoint, report: Report) -> None:
             report.problems.append(f"{ckpt.description_file.name}: fused layers disagree in scheme ({detail}); "
                                    "vLLM loads them as one parameter")
             continue
-        if next(iter(schemes.values())) != "W8A8":
+        scheme = SCHEMES.get(next(iter(schemes.values())))
+        if scheme is None or not scheme.linear:
             continue
-        for suffix in ("input_scale", "input_offset"):
+        per_shard = [suffix for suffix, spec in scheme.tensor_specs(1, 1).items() if spec.param == "per_shard"]
+        for suffix in per_shard:
             names = [f"{p}.{suffix}" for p in present
                      if f"{p}.{suffix}" in ckpt.infos and _numel(ckpt.infos[f"{p}.{suffix}"].shape) == 1]
             if len(names) < 2:
@@ -338,18 +285,18 @@ def _check_fused(ckpt: Checkpoint, report: Report) -> None:
 
 
 def _check_kv(ckpt: Checkpoint, report: Report) -> None:
-    kv_names = [n for n, t in ckpt.description.items() if t == "C8"]
+    kv_names = [n for n, t in ckpt.description.items() if is_kv(t)]
     if not kv_names:
         return
-    if ckpt.meta.get("kv_cache_type") != "C8":
-        report.problems.append(f"{ckpt.description_file.name}: C8 tensors present but top-level "
-                               "'kv_cache_type' is not 'C8'")
+    if ckpt.meta.get("kv_cache_type") != C8.name:
+        report.problems.append(f"{ckpt.description_file.name}: {C8.name} tensors present but top-level "
+                               f"'kv_cache_type' is not '{C8.name}'")
     spec = spec_for_config(ckpt.config)
     geometry = kv_geometry(ckpt.config)
     width = geometry[0] * geometry[1] if geometry else None
     for name in kv_names:
         prefix, _, suffix = name.rpartition(".")
-        if suffix not in ("kv_cache_scale", "kv_cache_offset") or not spec.is_kv_projection(prefix):
+        if suffix not in KV_SUFFIXES or not spec.is_kv_projection(prefix):
             report.problems.append(f"{ckpt.description_file.name}: {name!r} is typed C8 but is not a "
                                    f"{'/'.join(spec.kv_projections)} kv_cache_scale or kv_cache_offset")
             continue

@@ -2,7 +2,7 @@
 
 `load_reference_model(dir)` builds the transformers model named by the checkpoint's
 config.json and swaps every quantized Linear for a module that computes the reference
-kernels from the stored tensors (`ascend_quant.runtime.qlinear`, reference backend). FLOAT
+kernels from the stored tensors (each scheme's `prepare`/`forward` in `ascend_quant.schemes`, reference backend). FLOAT
 tensors load as they are; RMSNorm `.bias` tensors left by smoothing are added after the norm;
 with `kv_cache=True` the C8 scales fake-quantize post-RoPE keys and values per channel.
 The evaluation's quantized perplexity and the vLLM tests compare against this model.
@@ -24,14 +24,14 @@ from ascend_quant.formats.ascend import CheckpointError, read_checkpoint
 from ascend_quant.arch import ArchSpec, spec_for_config
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.runtime.kernels import backend as kernel_backend
-from ascend_quant.runtime.qlinear import LINEAR_SCHEMES, QuantLinear
+from ascend_quant.schemes import LINEAR_SCHEMES, PreparedLinear, is_float, is_kv
 
 
 class ReferenceQuantLinear(nn.Module):
-    """A Linear computed by `QuantLinear` (its float `bias`, if any, is passed along; W8A8
+    """A Linear computed by its scheme (`PreparedLinear`) (its float `bias`, if any, is passed along; W8A8
     ignores it because it is folded into quant_bias)."""
 
-    def __init__(self, qlinear: QuantLinear, bias: torch.Tensor | None, prefix: str):
+    def __init__(self, qlinear: PreparedLinear, bias: torch.Tensor | None, prefix: str):
         super().__init__()
         self.qlinear = qlinear
         self.prefix = prefix
@@ -42,7 +42,7 @@ class ReferenceQuantLinear(nn.Module):
         return self.qlinear(x, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.qlinear.scheme}, in={self.in_features}, out={self.out_features}"
+        return f"{self.qlinear.scheme.name}, in={self.in_features}, out={self.out_features}"
 
 
 class NormWithBias(nn.Module):
@@ -86,20 +86,20 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     for prefix, mod in modules.items():
         scheme = mod.weight_scheme
         for suffix in mod.suffixes:           # C8 scales sit on the K/V projections, quantized or not
-            if mod.scheme_of(suffix) == "C8":
+            if is_kv(mod.scheme_of(suffix)):
                 kv_scales[f"{prefix}.{suffix}"] = tensors[f"{prefix}.{suffix}"]
         if scheme in LINEAR_SCHEMES:
             suffixes = mod.schemes[scheme]
             t = {s: tensors[f"{prefix}.{s}"] for s in suffixes}
             bias = tensors.get(f"{prefix}.bias")
-            ql = QuantLinear.build(scheme, t, backend=b, dtype=dtype)
+            ql = PreparedLinear.build(scheme, t, backend=b, dtype=dtype)
             _set_module(model, prefix, ReferenceQuantLinear(ql, bias, prefix))
             continue
         for suffix in mod.suffixes:
             name = f"{prefix}.{suffix}"
-            if mod.scheme_of(suffix) == "C8":
+            if is_kv(mod.scheme_of(suffix)):
                 continue
-            if scheme not in (None, "FLOAT"):
+            if scheme is not None and not is_float(scheme):
                 raise CheckpointError(f"{ckpt.description_file}: {prefix}.weight has quant type {scheme!r}, "
                                       "which the reference model does not serve")
             target = model.get_submodule(prefix) if prefix else model

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ascend_quant.runtime.paged import c8 as paged
+from ascend_quant.schemes import C8
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
@@ -100,7 +101,7 @@ class AscendC8KVCacheMethod(BaseKVCacheMethod):
         from ascend_quant.formats.checks import tensor_problems
 
         for name in ("k_cache_scale", "v_cache_scale"):
-            problems = tensor_problems(f"{self.prefix}.{name}", "C8", getattr(layer, name).data)
+            problems = tensor_problems(f"{self.prefix}.{name}", C8.name, getattr(layer, name).data)
             if problems:
                 raise ValueError(problems[0])
         layer.impl.c8_prepare(layer.k_cache_scale.data, layer.v_cache_scale.data)

@@ -25,7 +25,7 @@ import torch
 
 from ascend_quant.formats.ascend import CheckpointError, DESCRIPTION_NAME, TOP_LEVEL_KEYS, read_checkpoint
 from ascend_quant.arch import DEFAULT as DEFAULT_SPEC, ArchSpec, spec_for_config
-from ascend_quant.schemes import SCHEMES
+from ascend_quant.schemes import SCHEMES, is_float, is_kv, is_linear
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
@@ -158,9 +158,9 @@ class AscendQuantConfig(QuantizationConfig):
             raise ValueError(f"{self.description_file}: fused layers disagree in quant type ({detail})")
         scheme = next(iter(schemes.values()))
         norm_bias = self.norm_bias_key(prefix)
-        if scheme == "FLOAT":
+        if is_float(scheme):
             return AscendQuantFloatLinearMethod(prefix, norm_bias)
-        if scheme not in AscendQuantLinearMethod.SCHEMES:
+        if not is_linear(scheme):
             raise ValueError(f"{self.description_file}: key {shards[0] + '.weight'!r} has quant type {scheme!r}, "
                              "which is not a Linear scheme")
         return AscendQuantLinearMethod(self, scheme, prefix, shards, norm_bias)
@@ -168,7 +168,7 @@ class AscendQuantConfig(QuantizationConfig):
     def c8_layers(self) -> list[str]:
         """Checkpoint prefixes (e.g. model.layers.3.self_attn) that carry C8 KV-cache scales."""
         return sorted(p for k, v in self.description.items()
-                      if v == "C8" and (p := self.spec.kv_cache_parent(k)) is not None)
+                      if is_kv(v) and (p := self.spec.kv_cache_parent(k)) is not None)
 
     def kv_cache_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The C8 method for an attention layer whose checkpoint has KV-cache scales; None otherwise

@@ -1,20 +1,20 @@
 """vLLM linear methods for the Ascend schemes: declare the checkpoint tensors with vLLM's
 parameter classes (so tensor-parallel sharding and q/k/v, gate/up fusion load them), then
-hand the loaded shard to `runtime.qlinear.QuantLinear`, which calls the kernels.
+hand the loaded shard to its scheme (`ascend_quant.schemes`), which calls the kernels.
 
-Per partition (n = this rank's out-features, k = its in-features, g = group size):
+Each scheme's `tensor_specs` gives its tensors per partition (n = this rank's out-features,
+k = its in-features) with a parameter kind, mapped here to vLLM's classes:
 
-| tensor | shape | vLLM parameter |
-|---|---|---|
-| weight (int8) | [n, k] | ModelWeightParameter |
-| weight (int4 packed along n) | [n/2, k] | PackedvLLMParameter(packed_dim=0, factor 2) |
-| input_scale, input_offset | [shards] | PerTensorScaleParameter (one per fused shard) |
-| deq_scale (either encoding, decoded on load) | [n] float32 | ChannelQuantScaleParameter |
-| quant_bias | [n] int32 | ChannelQuantScaleParameter (rank 0 adds it on row-parallel layers) |
-| weight_scale, weight_offset | [n, 1] / [n, k/g] | ChannelQuantScaleParameter / GroupQuantScaleParameter |
-| weight_scale_second, weight_offset_second | [n, k/g] | GroupQuantScaleParameter |
-| scale_bias | [n, 1] / [n, 16/tp] (row-parallel) | ChannelQuantScaleParameter / GroupQuantScaleParameter |
-| input_bias (a norm's smoothing bias) | [k] | BasevLLMParameter |
+| kind | vLLM parameter |
+|---|---|
+| weight (int8 [n, k]) | ModelWeightParameter |
+| packed_weight (int4 pairs along n, [n/2, k]) | PackedvLLMParameter(packed_dim=0, factor 2) |
+| per_shard (static input_scale / input_offset) | PerTensorScaleParameter (one per fused shard) |
+| channel ([n] or [n, 1]) | ChannelQuantScaleParameter |
+| group ([n, k/g]) | GroupQuantScaleParameter |
+| input_bias (a norm's smoothing bias, [k]) | BasevLLMParameter |
+
+A spec's `on_load` (deq_scale: either stored encoding to float32) wraps the weight loader.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.runtime import kernels
 from ascend_quant.runtime.vllm import ops
-from ascend_quant.runtime.qlinear import LINEAR_SCHEMES, QuantLinear
-from ascend_quant.schemes import SCHEMES
+from ascend_quant.schemes import FLOAT, LINEAR_SCHEMES, SCHEMES, W4A8_GROUP_TENSORS, PreparedLinear, SchemeError, TensorSpec
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
@@ -44,13 +43,6 @@ from vllm.model_executor.parameter import (
 )
 
 logger = init_logger(__name__)
-
-
-def _decoding_loader(loader):
-    """Wrap a weight loader so deq_scale arrives as float32 whichever encoding is stored."""
-    def load(param, loaded_weight, *args, **kwargs):
-        return loader(param, numerics.decode_deq_scale(loaded_weight), *args, **kwargs)
-    return load
 
 
 def refuse_bad_values(layer: torch.nn.Module, prefix: str, scheme: str, shards: list[str] | None = None) -> None:
@@ -81,9 +73,30 @@ def _add_norm_bias(layer: torch.nn.Module, input_size: int, weight_loader) -> No
         data=torch.zeros(input_size, dtype=torch.float32), weight_loader=weight_loader))
 
 
+def _vllm_parameter(spec: TensorSpec, shards: int, loader):
+    """The vLLM parameter class that shards a scheme tensor of this kind (schemes.PARAM_KINDS)."""
+    if spec.on_load is not None:
+        inner, on_load = loader, spec.on_load
+        loader = lambda param, w, *a, **kw: inner(param, on_load(w), *a, **kw)  # noqa: E731
+    if spec.param == "per_shard":
+        return PerTensorScaleParameter(data=torch.empty(shards, dtype=spec.dtype), weight_loader=loader)
+    data = torch.empty(spec.shape, dtype=spec.dtype)
+    if spec.param == "weight":
+        return ModelWeightParameter(data=data, input_dim=1, output_dim=0, weight_loader=loader)
+    if spec.param == "packed_weight":
+        return PackedvLLMParameter(data=data, input_dim=1, output_dim=0, packed_dim=0, packed_factor=2,
+                                   weight_loader=loader)
+    if spec.param == "channel":
+        return ChannelQuantScaleParameter(data=data, output_dim=0, weight_loader=loader)
+    if spec.param == "group":
+        return GroupQuantScaleParameter(data=data, input_dim=1, output_dim=0, weight_loader=loader)
+    raise AssertionError(spec.param)
+
+
 @register_weight_loader_v2_supported_method
 class AscendQuantLinearMethod(LinearMethodBase):
-    """One Linear (or fused group) of a W8A8 / W8A8_DYNAMIC / W8A16 / W4A16 / W4A8_DYNAMIC scheme."""
+    """One Linear (or fused group) of a quantized-Linear scheme: its tensors are declared from
+    the scheme's `tensor_specs` and served by the scheme's `prepare` / `forward`."""
 
     SCHEMES = LINEAR_SCHEMES
 
@@ -95,21 +108,21 @@ class AscendQuantLinearMethod(LinearMethodBase):
         self.norm_bias = norm_bias
 
     # ------------------------------------------------------------------ declare
-    def _groups(self, k_total: int) -> tuple[int, bool]:
-        """(group count along the full k, two-stage?) from the checkpoint header or group_size."""
+    def _layout(self, k_total: int) -> tuple[int, bool]:
+        """(group size along the full k, two-stage?) from the checkpoint header, else group_size."""
         first = self.shards[0]
-        two_stage = self.scheme == "W4A8_DYNAMIC" and (
-            f"{first}.weight_scale_second" in self.config.description)
-        if two_stage:
-            groups = self.config.group_count(first, "weight_scale_second")
-        elif self.scheme in ("W8A16", "W4A16"):
-            groups = self.config.group_count(first)
-        else:
-            return 1, False
-        if groups is None:            # no header (description passed in directly): use group_size
-            g = int(self.config.meta.get("group_size") or 0)
-            groups = k_total // g if g else 1
-        return groups, two_stage
+        shapes = {suffix: shape for key, (shape, _) in self.config.shapes.items()
+                  if key.startswith(first + ".") and "." not in (suffix := key[len(first) + 1:])}
+        scheme = SCHEMES[self.scheme]
+        requested = int(self.config.meta.get("group_size") or 0)
+        if "weight" not in shapes:            # no header (description passed in directly)
+            two_stage = any(f"{first}.{s}" in self.config.description for s in W4A8_GROUP_TENSORS)
+            g = scheme.group_size_for(requested)
+            return (g if two_stage or scheme.activation_bits is None else 0), two_stage
+        group_size, two_stage = scheme.layout_of(shapes, requested)
+        if group_size < 0:
+            raise ValueError(f"{first}: its scales do not divide its {k_total} in-features into groups")
+        return group_size, two_stage
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
@@ -123,59 +136,18 @@ class AscendQuantLinearMethod(LinearMethodBase):
         layer.ascend_row_parallel = row_parallel
         layer.ascend_op_key = ops.register_layer(layer, self.prefix)
 
-        def reg(name, param):
-            layer.register_parameter(name, param)
-
-        if scheme.weight_bits == 4:
-            if any(s % 2 for s in output_partition_sizes):
-                raise ValueError(f"{self.prefix}: int4 weights pack two output channels per byte; "
-                                 f"shard sizes {output_partition_sizes} are not all even")
-            reg("weight", PackedvLLMParameter(data=torch.empty(n // 2, k, dtype=torch.int8), input_dim=1,
-                                              output_dim=0, packed_dim=0, packed_factor=2, weight_loader=loader))
-        else:
-            reg("weight", ModelWeightParameter(data=torch.empty(n, k, dtype=torch.int8), input_dim=1,
-                                               output_dim=0, weight_loader=loader))
-
-        if self.scheme == "W8A8":
-            shards = len(output_partition_sizes)
-            for name in ("input_scale", "input_offset"):
-                reg(name, PerTensorScaleParameter(data=torch.empty(shards, dtype=torch.float32), weight_loader=loader))
-            reg("deq_scale", ChannelQuantScaleParameter(data=torch.empty(n, dtype=torch.float32), output_dim=0,
-                                                        weight_loader=_decoding_loader(loader)))
-            reg("quant_bias", ChannelQuantScaleParameter(data=torch.empty(n, dtype=torch.int32), output_dim=0,
-                                                         weight_loader=loader))
-        else:
-            groups, two_stage = self._groups(input_size)
-            per_group = groups > 1 and not two_stage
-            for name in ("weight_scale", "weight_offset"):
-                if per_group:
-                    if (input_size // groups) == 0 or k % (input_size // groups):
-                        raise ValueError(f"{self.prefix}: group size {input_size // groups} does not divide this "
-                                         f"rank's {k} in-features")
-                    reg(name, GroupQuantScaleParameter(data=torch.empty(n, k * groups // input_size,
-                                                                        dtype=torch.float32),
-                                                       input_dim=1, output_dim=0, weight_loader=loader))
-                else:
-                    reg(name, ChannelQuantScaleParameter(data=torch.empty(n, 1, dtype=torch.float32),
-                                                         output_dim=0, weight_loader=loader))
-            if two_stage:
-                g = input_size // groups
-                if k % g:
-                    raise ValueError(f"{self.prefix}: group size {g} does not divide this rank's {k} in-features")
-                for name in ("weight_scale_second", "weight_offset_second"):
-                    reg(name, GroupQuantScaleParameter(data=torch.empty(n, k // g, dtype=torch.float32),
-                                                       input_dim=1, output_dim=0, weight_loader=loader))
-            if self.scheme == "W4A8_DYNAMIC":
-                if row_parallel:
-                    chunks = numerics.scale_bias_chunks(True)
-                    if chunks % tp:
-                        raise ValueError(f"{self.prefix}: scale_bias has {chunks} chunks, not divisible by "
-                                         f"tensor-parallel size {tp}")
-                    reg("scale_bias", GroupQuantScaleParameter(data=torch.empty(n, chunks // tp, dtype=torch.float32),
-                                                               input_dim=1, output_dim=0, weight_loader=loader))
-                else:
-                    reg("scale_bias", ChannelQuantScaleParameter(data=torch.empty(n, 1, dtype=torch.float32),
-                                                                 output_dim=0, weight_loader=loader))
+        if scheme.packed and any(s % 2 for s in output_partition_sizes):
+            raise ValueError(f"{self.prefix}: int4 weights pack two output channels per byte; "
+                             f"shard sizes {output_partition_sizes} are not all even")
+        group_size, two_stage = self._layout(input_size)
+        if group_size and k % group_size:
+            raise ValueError(f"{self.prefix}: group size {group_size} does not divide this rank's {k} in-features")
+        try:
+            specs = scheme.tensor_specs(n, k, group_size, two_stage=two_stage, row_parallel=row_parallel, tp_size=tp)
+        except SchemeError as e:
+            raise ValueError(f"{self.prefix}: {e}") from None
+        for name, spec in specs.items():
+            layer.register_parameter(name, _vllm_parameter(spec, len(output_partition_sizes), loader))
         if self.norm_bias:
             _add_norm_bias(layer, k, loader)
 
@@ -184,8 +156,8 @@ class AscendQuantLinearMethod(LinearMethodBase):
         t = {name: p.data for name, p in layer.named_parameters(recurse=False)
              if name not in ("bias", "input_bias")}
         refuse_bad_values(layer, self.prefix, self.scheme, self.shards)
-        if self.scheme == "W8A8":
-            for name in ("input_scale", "input_offset"):
+        for name, param in layer.named_parameters(recurse=False):
+            if isinstance(param, PerTensorScaleParameter):
                 values = t[name].reshape(-1)
                 if not torch.all(values == values[-1]):
                     logger.warning("%s: fused shards have different %s %s; using the last one, as vllm-ascend "
@@ -194,7 +166,7 @@ class AscendQuantLinearMethod(LinearMethodBase):
         device = layer.weight.device
         b = kernels.get_backend(device, "linear", n=layer.weight.shape[0], k=layer.weight.shape[1],
                                 bits=SCHEMES[self.scheme].weight_bits)
-        layer.ascend_qlinear = QuantLinear.build(self.scheme, t, backend=b, dtype=layer.params_dtype,
+        layer.ascend_qlinear = PreparedLinear.build(self.scheme, t, backend=b, dtype=layer.params_dtype,
                                                  add_quant_bias=add_quant_bias)
         # the kernel keeps what it needs in its own layout: drop the loaded copies, so that
         # serving memory is that of the prepared weights alone
@@ -229,7 +201,7 @@ class AscendQuantFloatLinearMethod(UnquantizedLinearMethod):
             _add_norm_bias(layer, input_size_per_partition, extra_weight_attrs["weight_loader"])
 
     def process_weights_after_loading(self, layer) -> None:
-        refuse_bad_values(layer, self.prefix, "FLOAT")
+        refuse_bad_values(layer, self.prefix, FLOAT.name)
         super().process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias=None):

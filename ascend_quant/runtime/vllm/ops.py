@@ -1,7 +1,7 @@
 """Our quantized Linear as one torch custom op, so vLLM's default compiled mode keeps it whole.
 
 vLLM (without `enforce_eager`) traces the model with dynamo in fullgraph mode. The kernels
-behind `QuantLinear` branch on tensor values (an all-zero token, a chunk loop over k), hold
+behind a scheme's `forward` branch on tensor values (an all-zero token, a chunk loop over k), hold
 objects that are not tensors (oneDNN handles, packed layouts) and call C code: dynamo cannot
 trace them, and should not. Registered through `torch.library.custom_op` with a fake
 implementation (the output's shape and dtype), the whole quantized forward is one opaque node

@@ -1,0 +1,139 @@
+"""W4A8_DYNAMIC: int4 symmetric weights, int8 per-token dynamic activations.
+
+Two forms: one scale per output channel (what vllm-ascend serves for MoE experts), and
+msModelSlim's older two-stage per-group form: an int8 stage-1 scale s1 per channel times an
+integer per-group multiplier s2 (`weight_scale_second`); the NPU holds s1 in bf16, so the
+served scale is `s2 * bf16(s1)`. `scale_bias = 8 * sum_k(w4 * scale)` (16 k-chunks on
+row-parallel Linears) undoes the NPU int4 kernel's +8 bias."""
+
+from __future__ import annotations
+
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.schemes.base import PreparedLinear, QuantizedLinear, Scheme, SchemeError, TensorSpec, weight_values
+
+SECOND_STAGE = ("weight_scale_second", "weight_offset_second")
+
+
+class W4A8Dynamic(Scheme):
+    name = "W4A8_DYNAMIC"
+    cli_name = "w4a8"
+    linear = True
+    weight_bits = 4
+    weight_granularity = "channel"
+    activation_bits = 8
+    activation_mode = "dynamic"
+    default_group_size = 64
+    served_by_vllm_ascend = "per-group for dense Linears, per-channel for MoE experts"
+    # 4-bit weights take little of the activations' outliers: SmoothQuant alpha 0.8 everywhere
+    # +30.1%, 0.5 +20.9%, none +23.5%, searched per group +18.4% (SmolLM2-135M, as W8A8_DYNAMIC)
+    preset = {"method": "gptq", "smoothquant": {"alpha": 0.5, "alphas": [0.5, 0.6, 0.7, 0.8, 0.9]}}
+
+    def tensor_specs(self, n, k, group_size=0, *, two_stage=False, row_parallel=False, tp_size=1):
+        specs = {
+            "weight": TensorSpec(torch.int8, (n // 2, k), "packed_weight"),
+            "weight_scale": TensorSpec(torch.float32, (n, 1), "channel"),
+            "weight_offset": TensorSpec(torch.float32, (n, 1), "channel"),
+        }
+        if two_stage:
+            groups = k // group_size
+            specs["weight_scale_second"] = TensorSpec(torch.float32, (n, groups), "group")
+            specs["weight_offset_second"] = TensorSpec(torch.float32, (n, groups), "group",
+                                                       (torch.int64, torch.float32))
+        chunks = numerics.scale_bias_chunks(row_parallel)
+        if row_parallel and chunks % tp_size:      # split along k with the in-features
+            raise SchemeError(f"scale_bias has {chunks} chunks, not divisible by tensor-parallel size {tp_size}")
+        specs["scale_bias"] = (TensorSpec(torch.float32, (n, chunks // tp_size), "group") if row_parallel
+                               else TensorSpec(torch.float32, (n, 1), "channel"))
+        return specs
+
+    def layout_of(self, t_shapes, group_size):
+        second = t_shapes.get("weight_scale_second")
+        if second is None:
+            return 0, False
+        k = t_shapes["weight"][-1]
+        groups = second[-1] if len(second) == 2 else 0
+        return (k // groups if groups and k % groups == 0 else -1), True
+
+    def group_size_for(self, requested):
+        return requested
+
+    def fixed_scales(self, w, group_size, group_scale):
+        """Two-stage scales (s1 [n, 1], s2 [n, k/g]) when per-group, fixed before rounding;
+        `group_scale()` is the per-group scale the observer chose. None: per-channel."""
+        if not group_size:
+            return None
+        s1 = numerics.absmax_scale(w.abs().amax(-1, keepdim=True), numerics.TWO_STAGE_INT8_BOUND)
+        s2 = torch.clamp(torch.round(group_scale() / s1), 1.0, 127.0)
+        return s1, s2
+
+    def pack(self, ql, model_dtype):
+        n = ql.q.shape[0]
+        out = {"weight": numerics.pack_int4(ql.q), "weight_scale": ql.scale.float(),
+               "weight_offset": torch.zeros(n, 1)}
+        if ql.scale_second is not None:
+            out["weight_scale_second"] = ql.scale_second.float()
+            out["weight_offset_second"] = torch.zeros_like(ql.scale_second, dtype=torch.int64)
+            sb_scale = numerics.two_stage_scale(ql.scale, ql.scale_second)
+        else:
+            sb_scale = ql.scale
+        out["scale_bias"] = numerics.scale_bias(ql.q, sb_scale, numerics.scale_bias_chunks(ql.row_parallel))
+        return out
+
+    def unpack(self, t, where=""):
+        q = weight_values(t, 4)
+        n = q.shape[0]
+        second = t.get("weight_scale_second")
+        sb = t.get("scale_bias")
+        return QuantizedLinear(self.name, q, t["weight_scale"].float().reshape(n, 1), None,
+                               None if second is None else second.float().reshape(n, -1),
+                               row_parallel=sb is not None and sb.dim() == 2 and sb.shape[-1] > 1)
+
+    def served_scale(self, ql):
+        if ql.scale_second is None:
+            return ql.scale.float()
+        return numerics.two_stage_scale(ql.scale, ql.scale_second)
+
+    def from_scale(self, q, scale, bias=None, *, row_parallel=False, **activation):
+        if scale.shape[-1] == 1:
+            return QuantizedLinear(self.name, q, scale, bias, row_parallel=row_parallel)
+        # the two-stage layout with stage 1 = 1: s2 * bf16(1) is the group scale exactly
+        return QuantizedLinear(self.name, q, torch.ones(q.shape[0], 1), bias, scale, row_parallel=row_parallel)
+
+    def fake_quant_input(self, x, ql, in_place=False):
+        return numerics.fake_quantize_activation_dynamic(x, in_place=in_place)
+
+    def prepare(self, t, backend, dtype=torch.float32, add_quant_bias=True):
+        w = weight_values(t, 4)
+        n, k = w.shape
+        npu = getattr(backend, "name", "") == "npu"
+        if "weight_scale_second" in t:
+            scale = numerics.two_stage_scale(t["weight_scale"].float(), t["weight_scale_second"].float())
+            # NPU: an int4 weight-only matmul; elsewhere int8 activations times the dequantized
+            # int4 weight, the per-token scale after
+            prep = backend.prepare_weight_only(w, scale, None, 4, dtype if npu else torch.float32)
+            return PreparedLinear(self, backend, prep, n, k, group_size=k // scale.shape[-1],
+                                  extra={"per_group": True})
+        scale = t["weight_scale"].float().reshape(-1)
+        if npu:
+            prep = backend.prepare_weight_only(w, scale.reshape(-1, 1), None, 4, dtype)
+        else:
+            prep = backend.prepare_int8(w, scale, bits=4)
+        return PreparedLinear(self, backend, prep, n, k, extra={"per_group": False})
+
+    def forward(self, linear, x, bias):
+        b = linear.backend
+        if getattr(b, "name", "") == "npu":
+            # vllm-ascend runs dense W4A8 as an int4 weight-only matmul (ascend-format.md §3)
+            return b.weight_only_matmul(x, linear.prepared, bias=bias)
+        x_q, s_t = b.quantize_dynamic(x)
+        if linear.extra["per_group"]:
+            y = b.weight_only_matmul(x_q.float(), linear.prepared, out_dtype=torch.float32) * s_t.float()
+            if bias is not None:
+                y = y + bias.float()
+            return y.to(x.dtype)
+        return b.int8_matmul(x_q, linear.prepared, pertoken_scale=s_t, bias=bias, out_dtype=x.dtype)
+
+
+SCHEME = W4A8Dynamic()
