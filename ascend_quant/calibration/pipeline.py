@@ -22,29 +22,18 @@ from pathlib import Path
 
 import torch
 
-from ascend_quant import memory, numerics
-from ascend_quant.calibration.gptq import gptq_quantize, hessian
+from ascend_quant import memory
+from ascend_quant.calibration import CalibrationError
+from ascend_quant.calibration.group import (choose_smoothing, error_sample, fake_quantized_inputs,
+                                            observe_activations, quantize_linears, smooths)
 from ascend_quant.calibration.kv import KVObserver
-from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
 from ascend_quant.calibration.quantized import QuantizedLinear, _fake_quant_activation
 from ascend_quant.calibration.recipe import Recipe
-from ascend_quant.calibration.smoothquant import apply_smoothing, search_alpha, smoothing_factors
+from ascend_quant.calibration.smoothquant import apply_smoothing
 from ascend_quant.calibration.kv import fake_quant_kv
 from ascend_quant.arch import ArchSpec, LinearGroup, lean_mlp, spec_for_model
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.schemes import SCHEMES
-
-# Tokens used for the per-Linear error report (a fixed subsample keeps it cheap).
-_ERROR_TOKENS = 256
-# SmoothQuant's alpha search compares its candidates on this many tokens (evenly strided),
-# ~5% of the calibration time. Its choice depends on the sample: W8A8_DYNAMIC on SmolLM2-135M
-# scored +0.75% to +1.17% for different samples of 256 or 512 (recipe.py keeps it for W4A8)
-_SEARCH_TOKENS = 256
-
-
-class CalibrationError(Exception):
-    """Calibration cannot go on (NaN activations, a shape the scheme cannot take, ...)."""
-
 
 class _StopForward(Exception):
     pass
@@ -60,14 +49,6 @@ class LayerReport:
 
 
 # --------------------------------------------------------------------------- hooks
-
-def _stride(x: torch.Tensor, count: int) -> torch.Tensor:
-    """At most `count` rows of x, an even stride through all of them, as a view (count 0:
-    all rows)."""
-    if not count or x.shape[0] <= count:
-        return x
-    return x[::-(-x.shape[0] // count)]
-
 
 def _all_finite(x: torch.Tensor) -> bool:
     """No NaN or Inf in x: one reduction without a mask tensor (a NaN or Inf anywhere makes
@@ -126,56 +107,10 @@ class _GroupQuantizer:
             self.seen_by_scheme[scheme] = _fake_quant_activation(x, scheme, self.results[f"{self.prefix}.{name}"])
         return self.seen_by_scheme[scheme]
 
-    def _running_qparams(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """msModelSlim's running observer, vectorized over the batch: sample b is quantized with
-        the min/max of samples 0..b (its calibration forwards run one sample at a time)."""
-        b = x.shape[0]
-        xs = x.reshape(b, -1, x.shape[-1]).float()
-        valid = self.valid2d.reshape(b, -1, 1)
-        mins = torch.where(valid, xs, torch.inf).amin((1, 2))
-        maxs = torch.where(valid, xs, -torch.inf).amax((1, 2))
-        scale, offset = numerics.activation_qparams(torch.cummin(mins, 0).values, torch.cummax(maxs, 0).values)
-        return scale.reshape(b, 1, 1), offset.reshape(b, 1, 1)
-
-    def _smooths(self, schemes) -> bool:
-        """Smoothing helps activation quantization; weight-only groups skip it, and smoothing
-        through a Linear (up_proj -> down_proj) is optional."""
-        sq, producer = self.recipe.smoothquant, self.group.producer
-        if sq is None or producer is None:
-            return False
-        if not any(SCHEMES[s].activation_bits is not None for s in schemes):
-            return False
-        return sq.smooth_down or not isinstance(self.layer.get_submodule(producer), torch.nn.Linear)
-
-    def _smoothing(self, flat: torch.Tensor, quantized: dict[str, str]) -> torch.Tensor | None:
-        """The group's smoothing factors: the recipe's alpha for this group (`group_alpha`),
-        else the best of its `alphas` on a token sample (None: not smoothing is best), else
-        its `alpha`. Records the alpha in `self.alpha`."""
-        sq = self.recipe.smoothquant
-        act_absmax = torch.maximum(flat.amax(0), -flat.amin(0))
-        if self.group.name in sq.group_alpha or not sq.alphas:
-            self.alpha = sq.group_alpha.get(self.group.name, sq.alpha)
-            return smoothing_factors(act_absmax, [m.weight for m in self.modules.values()], self.alpha)
-        scheme = next(s for s in quantized.values() if SCHEMES[s].activation_bits is not None)
-        info = SCHEMES[scheme]
-        gs = self.recipe.group_size if info.weight_bits == 4 else 0
-
-        def quantize_input(x):
-            if info.activation_mode == "dynamic":
-                return numerics.fake_quantize_activation_dynamic(x, in_place=True)
-            scale, offset = numerics.activation_qparams(x.min(), x.max())
-            return numerics.dequantize(numerics.quantize(x, scale, 8, offset=offset), scale, offset)
-
-        def quantize_weight(w):
-            return numerics.dequantize(*numerics.quantize_weight(w, info.weight_bits, gs))
-
-        weights = [self.modules[n].weight for n in quantized]
-        sample = _stride(flat, _SEARCH_TOKENS)
-        self.alpha, s = search_alpha(sample, act_absmax, weights, sq.alphas, quantize_input, quantize_weight)
-        return None if self.alpha is None else s
-
     @torch.no_grad()
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the group step on the group's input x [B, L, k]; returns x as the members
+        receive it (smoothed; fake-quantized too where all of them share one version)."""
         recipe, group = self.recipe, self.group
         quantized = {n: s for n, s in self.schemes.items() if s != "FLOAT"}
         if not quantized:
@@ -190,11 +125,15 @@ class _GroupQuantizer:
         # place instead of holding two more copies of the largest activation of the layer.
         in_place = (group.sole_consumer and x.dtype == torch.float32 and len(set(self.schemes.values())) == 1
                     and recipe.activations.observer != "running")
+        weights = {name: m.weight for name, m in self.modules.items()}
         # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
-        self.smoothed = self._smooths(quantized.values())
-        s = self._smoothing(flat, quantized) if self.smoothed else None
+        producer = self.layer.get_submodule(group.producer) if group.producer is not None else None
+        self.smoothed = producer is not None and smooths(recipe, quantized.values(),
+                                                         isinstance(producer, torch.nn.Linear))
+        s = None
+        if self.smoothed:
+            self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
         if s is not None:
-            producer = self.layer.get_submodule(group.producer)
             rows = group.producer_rows(producer.weight.shape[0])      # all, or gate_up_proj's up half
             apply_smoothing(producer, list(self.modules.values()), s, group.producer_kind, rows)
             self.touched.update([group.producer, *self.modules])
@@ -204,87 +143,26 @@ class _GroupQuantizer:
             x = x.div_(s) if in_place else x / s.to(x.dtype)
             flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
         # 2. activation range (static W8A8): one for the whole group
-        input_scale = input_offset = running = None
-        if any(SCHEMES[s].activation_mode == "static" for s in quantized.values()):
-            if recipe.activations.observer == "running":
-                running = self._running_qparams(x)
-                input_scale, input_offset = running[0][-1].reshape(1), running[1][-1].reshape(1)
-            elif recipe.activations.observer == "mse":
-                importance = sum(self.modules[n].weight.float().pow(2).sum(0) for n in quantized)
-                input_scale, input_offset = numerics.activation_qparams(*mse_activation_range(flat, importance))
-            else:
-                obs = RangeObserver(recipe.activations.percentile if recipe.activations.observer == "percentile" else 100.0)
-                obs.update(flat)
-                input_scale, input_offset = obs.qparams()
-        # 3. weights: GPTQ on the shared Hessian of the (fake-quantized) input, or min-max.
-        # Members of one scheme share that input, so their GPTQ runs once on the rows stacked.
-        seen_flat: dict[str, torch.Tensor] = {}           # the fake-quantized input, per scheme
-        subsample = flat[torch.linspace(0, flat.shape[0] - 1, min(_ERROR_TOKENS, flat.shape[0])).long()]
-        sub_seen: dict[str, torch.Tensor] = {}
-        plans: dict[str, dict] = {}
-        for name, scheme in quantized.items():
-            info = SCHEMES[scheme]
-            probe = QuantizedLinear(scheme, torch.empty(0), torch.empty(0), None,
-                                    input_scale=input_scale, input_offset=input_offset)
-            if scheme not in seen_flat:
-                # the input the members compute with: kept for the forward (unless msModelSlim's
-                # per-sample running ranges apply there), its real tokens feed the Hessian
-                sub_seen[scheme] = _fake_quant_activation(subsample, scheme, probe)
-                full = _fake_quant_activation(x, scheme, probe, in_place=in_place)
-                if running is None:
-                    self.seen_by_scheme[scheme] = full
-                seen_flat[scheme] = self._tokens(full)
-            method = recipe.method_for(f"{self.prefix}.{name}")
-            w = self.modules[name].weight.float()
-            k = w.shape[1]
-            gs = recipe.group_size if info.weight_bits == 4 or (scheme == "W8A16" and recipe.group_size) else 0
-            if gs and k % gs:
-                raise CalibrationError(
-                    f"{self.prefix}.{name}: in-features {k} are not divisible by --group-size {gs}; "
-                    f"use a group size that divides {k} (e.g. 64 or 32)")
-            s1 = s2 = fixed = None
-            if scheme == "W4A8_DYNAMIC" and gs > 0:                     # two-stage int4 scales
-                s1 = numerics.absmax_scale(w.abs().amax(-1, keepdim=True), numerics.TWO_STAGE_INT8_BOUND)
-                group_scale = mse_weight_scale(w, 4, gs) if method == "gptq" else numerics.weight_scale(w, 4, gs)
-                s2 = torch.clamp(torch.round(group_scale / s1), 1.0, 127.0)
-                fixed = s1 * s2
-            plans[name] = dict(scheme=scheme, method=method, w=w, gs=gs, s1=s1, s2=s2, fixed=fixed)
-        quantized_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        batches: dict[tuple, list[str]] = {}
-        for name, plan in plans.items():
-            if plan["method"] == "gptq":
-                batches.setdefault((plan["scheme"], plan["gs"], plan["fixed"] is not None), []).append(name)
-            else:
-                scale = plan["fixed"] if plan["fixed"] is not None else \
-                    numerics.weight_scale(plan["w"], SCHEMES[plan["scheme"]].weight_bits, plan["gs"])
-                quantized_weights[name] = (numerics.quantize(plan["w"], scale, SCHEMES[plan["scheme"]].weight_bits), scale)
-        for (scheme, gs, has_fixed), names in batches.items():
-            g = recipe.gptq
-            rows = [plans[n]["w"].shape[0] for n in names]
-            fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
-            q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]),
-                                     hessian(_stride(seen_flat[scheme], g.hessian_tokens and
-                                                     max(g.hessian_tokens, 4 * seen_flat[scheme].shape[-1]))),
-                                     SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
-                                     g.mse_scales, scale=fixed)
-            quantized_weights.update(zip(names, zip(q.split(rows), scale.split(rows))))
-        for name, plan in plans.items():
-            scheme, module, w = plan["scheme"], self.modules[name], plan["w"]
-            q, scale = quantized_weights[name]
-            bias = module.bias.detach().float().clone() if module.bias is not None else None
-            qlin = QuantizedLinear(scheme, q, plan["s1"] if plan["s1"] is not None else scale, bias, plan["s2"],
-                                   input_scale, input_offset, running=running, row_parallel=group.row_parallel)
-            wq = qlin.dequantized()
-            ref = subsample @ w.t()          # the error report counts weight and activation rounding
-            err = sub_seen[scheme] @ wq.t() - ref
-            qlin.error = (err.norm() / ref.norm().clamp(min=1e-12)).item()
-            module.weight.data = wq.to(module.weight.dtype)
+        qparams = observe_activations(x, flat, self.valid2d, weights, quantized, recipe)
+        # 3. the input each scheme's members compute with: kept for the forward (unless
+        # msModelSlim's per-sample running ranges apply there), its real tokens feed GPTQ
+        subsample = error_sample(flat)
+        inputs, sub_inputs = fake_quantized_inputs(x, subsample, quantized, qparams, in_place)
+        if qparams.running is None:
+            self.seen_by_scheme.update(inputs)
+        seen = {scheme: self._tokens(t) for scheme, t in inputs.items()}
+        del inputs
+        # 4. the weights: GPTQ on the group's shared Hessian, or min-max
+        biases = {name: m.bias for name, m in self.modules.items()}
+        linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
+                                   group.row_parallel, recipe, self.prefix)
+        for name, qlin in linears.items():
+            module = self.modules[name]
+            module.weight.data = qlin.dequantized().to(module.weight.dtype)
             self.results[f"{self.prefix}.{name}"] = qlin
-        del plans, quantized_weights, seen_flat
+        del seen, linears
         memory.trim()
         return x
-
-
 
 
 class _KVQuantizer:
