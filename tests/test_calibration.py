@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from safetensors.torch import load_file, save_file
 
 from ascend_quant import numerics
-from ascend_quant.calibration import pipeline, recipe as recipes
+from ascend_quant.calibration import job, recipe as recipes, runner
 from ascend_quant.calibration.data import DataError, load_texts, tokenize_samples
 from ascend_quant.calibration.gptq import gptq_quantize, hessian
 from ascend_quant.calibration.kv import KVObserver
@@ -231,7 +231,7 @@ def test_shared_rows_calibrate_like_one_row_each(tiny, calib_jsonl):
         recipe = dataclasses.replace(recipes.preset("w8a8"), method="minmax", kv_cache=recipes.KVCache())
         # the shared rows' end-of-text room left out of the statistics, to compare like for like
         valid = s.valid & (s.ids != tok.eos_token_id) if share else s.valid
-        results, kv, _ = pipeline.quantize_model(model, s.ids, recipe, valid=valid,
+        results, kv, _ = runner.quantize_model(model, s.ids, recipe, valid=valid,
                                                  position_ids=s.position_ids)
         outs.append((results, kv))
     (a, ka), (b, kb) = outs
@@ -287,7 +287,7 @@ def test_smoothing_alphas_per_group_are_applied_and_recorded(tmp_path, tiny, cal
     rec = recipes.preset("w8a8-dynamic")
     rec.smoothquant = recipes.SmoothQuant(alpha=0.8, alphas=[0.5, 0.9], group_alpha={"down": 0.3})
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     layers = json.loads((out / "ascend_quant_calibration.json").read_text())["layers"]
     for layer in layers:
         chosen = layer["smoothquant_alphas"]
@@ -323,7 +323,7 @@ def test_streamed_calibration_reads_unchanged_tensors_back(tmp_path, tiny, calib
         rec = recipes.preset(scheme)
         rec.kv_cache = recipes.KVCache()
         out = tmp_path / scheme
-        pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+        job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
         assert verify(out).ok
         got = load_file(str(out / "quant_model_weights.safetensors"))
         same = [n for n in src if n in got and torch.equal(got[n], src[n])]
@@ -336,7 +336,7 @@ def test_streamed_calibration_reads_unchanged_tensors_back(tmp_path, tiny, calib
             assert "model.layers.1.input_layernorm.weight" not in same
     streamed = StreamedModel(tiny)
     s = tokenize_samples(load_texts(calib_jsonl), AutoTokenizer.from_pretrained(tiny), 4, 64)
-    pipeline.quantize_model(streamed.model, s.ids, recipes.preset("float"), valid=s.valid,
+    runner.quantize_model(streamed.model, s.ids, recipes.preset("float"), valid=s.valid,
                             release_weights=True, position_ids=s.position_ids, stream=streamed)
     assert all(p.is_meta for p in streamed.model.parameters())
 
@@ -367,10 +367,10 @@ def test_group_inputs_are_let_go_once_every_member_has_them(tiny, calib_jsonl):
         layer.mlp.down_proj.register_forward_pre_hook(check)
     rec = recipes.preset("w4a16")
     rec.group_size = 32
-    pipeline.quantize_model(model, s.ids, rec, valid=s.valid, position_ids=s.position_ids)
+    runner.quantize_model(model, s.ids, rec, valid=s.valid, position_ids=s.position_ids)
     assert alive_at_down == [[]] * len(model.model.layers)
 
-# ----------------------------------------------------------------- the pipeline
+# -------------------------------------------------------------------- the whole job
 
 SCHEME_CASES = [
     ("w8a8", {"kv_cache": "int8"}),
@@ -391,7 +391,7 @@ def test_calibrate_every_scheme_verifies_and_tracks_float(tmp_path, tiny, calib_
     if "kv_cache" in opts:
         rec.kv_cache = recipes.KVCache()
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     report = verify(out)
     assert report.ok, report.problems
     ckpt = read_checkpoint(out)
@@ -417,7 +417,7 @@ def test_calibrate_every_scheme_verifies_and_tracks_float(tmp_path, tiny, calib_
 def test_static_w8a8_shares_input_scale_across_fused(tmp_path, tiny, calib_jsonl):
     rec = recipes.preset("w8a8")
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     t = load_file(out / "quant_model_weights.safetensors")
     for i in range(2):
         p = f"model.layers.{i}"
@@ -457,7 +457,7 @@ def test_reproduces_msmodelslim_static_w8a8_c8(tmp_path, tiny, calib_jsonl):
     rec = recipes.Recipe("W8A8", method="minmax", kv_cache=recipes.KVCache(method="msmodelslim"),
                          activations=recipes.Activations("running"))
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=4096, packing=False,
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=4096, packing=False,
                        show_progress=False)
     mine = load_file(out / "quant_model_weights.safetensors")
     gold = read_checkpoint(fixture_dir("v1_w8a8_static_c8")).tensors()
@@ -593,7 +593,7 @@ def test_nan_activations_stop_cleanly(tmp_path, tiny, calib_jsonl):
 def test_ctrl_c_leaves_no_folder(tmp_path, tiny, calib_jsonl, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(pipeline, "quantize_model", interrupted)
+    monkeypatch.setattr(job, "quantize_model", interrupted)
     res = _run(["calibrate", str(tiny), "-o", str(tmp_path / "q"), "--dataset", calib_jsonl,
                 "--num-samples", "2", "--seq-len", "32"])
     assert res.exit_code == 1 and "interrupted" in res.output

@@ -1,4 +1,4 @@
-"""Offline calibration: data, the layer-by-layer pipeline, observers, SmoothQuant, GPTQ, KV scales."""
+"""Offline calibration: data, the runner, the group step, the job, observers, SmoothQuant, GPTQ, KV scales."""
 
 
 class CalibrationError(Exception):

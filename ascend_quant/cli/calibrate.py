@@ -35,9 +35,10 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
     import torch
 
     from ascend_quant.assets import AssetError, reference_model_dir
-    from ascend_quant.calibration import recipe as recipes
+    from ascend_quant.calibration import CalibrationError, recipe as recipes
     from ascend_quant.calibration.data import DataError
-    from ascend_quant.calibration.pipeline import CalibrationError, calibrate, format_reports
+    from ascend_quant.calibration.job import calibrate
+    from ascend_quant.calibration.runner import format_reports
     from ascend_quant.arch import UnsupportedModelError
 
     if threads:
