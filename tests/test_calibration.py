@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -507,6 +508,12 @@ def test_cli_calibrate_and_eval(tmp_path, tiny, calib_jsonl):
                 "--num-samples", "4", "--seq-len", "64", "--method", "minmax"])
     assert res.exit_code == 0, res.output
     assert "wrote" in res.output and verify(out).ok
+    # the command writes the model card from the checkpoint it wrote
+    from huggingface_hub import ModelCard
+    card = ModelCard.load(out / "README.md")
+    calib = json.loads((out / "ascend_quant_calibration.json").read_text())
+    assert card.data.base_model == calib["base_model"] and "w8a8-dynamic" in card.data.tags
+    assert "4 samples x 64 tokens of calib.jsonl" in card.text
     res = _run(["eval", "--model", str(tiny), "--quantized", str(out), "--dataset", calib_jsonl,
                 "--tokens", "256", "--seq-len", "64", "--json"])
     assert res.exit_code == 0, res.output
@@ -514,6 +521,14 @@ def test_cli_calibrate_and_eval(tmp_path, tiny, calib_jsonl):
     assert data["tokens"] == 256 and len(data["layer_errors"]) == 2
     assert abs(data["delta"]) < 0.05
     assert json.loads((out / "eval_results.json").read_text())["quantized_ppl"] == data["quantized_ppl"]
+
+
+def test_calibration_leaves_the_card_to_the_cli():
+    """The model card is hub.py's, written by the CLI: no calibration module imports hub."""
+    import ascend_quant.calibration as package
+    for path in Path(package.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "ascend_quant.hub" not in text and "from ascend_quant import hub" not in text, path.name
 
 
 @pytest.mark.parametrize("args,fragment", [

@@ -134,7 +134,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
               chat_template: bool = False, packing: bool = True, show_progress: bool = True,
               overwrite: bool = False,
               extra_files: dict[str, str] | None = None) -> CalibrationResult:
-    """The whole job: load, sample, quantize layer by layer, write the checkpoint atomically."""
+    """The whole job: load, sample, quantize layer by layer, write the checkpoint atomically
+    (the model card is the CLI's: `hub.write_card`)."""
     from ascend_quant.calibration.data import load_texts, tokenize_samples
     from ascend_quant.formats.ascend import write_checkpoint
 
@@ -184,7 +185,6 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
                               "errors": r.errors, "smoothquant_alphas": r.alphas} for r in reports]}, indent=2)}
     files.update(extra_files or {})
     group_size = group_size_for(recipe, results)
-    files["README.md"] = _card_for(types, group_size, meta, files)
     loader = None
     if loaded.stream is not None:
         def loader(name: str) -> torch.Tensor:
@@ -195,7 +195,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
 
 
 def _dataset_name(dataset: str | None) -> str:
-    """How the card names the data: a Hub dataset by id, a local file by its name only."""
+    """How the calibration record (and the card) names the data: a Hub dataset by id, a local
+    file by its name only."""
     if not dataset:
         return "built-in wiki text (Wikipedia lead sections, calibration split)"
     return Path(dataset).name if Path(dataset).exists() else dataset
@@ -223,16 +224,3 @@ def source_identity(model_id: str, local: Path) -> tuple[str | None, str | None]
     if not name and re.fullmatch(r"[\w.-]+/[\w.-]+", cfg_name or "") and not Path(cfg_name).exists():
         name = cfg_name
     return name or local.name, license_
-
-
-def _card_for(types: dict[str, str], group_size: int, meta: dict, files: dict[str, str]) -> str:
-    from ascend_quant.formats.ascend import build_description
-    from ascend_quant.hub import render_card
-
-    desc = build_description(types, group_size, meta)
-    top = {k: v for k, v in desc.items() if k not in types}
-    calib = json.loads(files["ascend_quant_calibration.json"])
-    base = str(meta.get("base_model") or "model").rpartition("/")[2]
-    return str(render_card(types, top, calib, files["ascend_quant_recipe.yaml"], None,
-                           f"{base}-{top['model_quant_type']}"))
-
