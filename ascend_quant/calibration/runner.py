@@ -37,6 +37,8 @@ class _StopForward(Exception):
 
 @dataclass
 class LayerReport:
+    """What calibrating one decoder layer did: its time, each Linear's scheme and error, each
+    smoothed group's alpha."""
     index: int
     seconds: float
     schemes: dict[str, str] = field(default_factory=dict)     # linear -> scheme
@@ -52,8 +54,10 @@ def _all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.sum()))
 
 
-class _GroupQuantizer:
-    """Quantizes one LinearGroup of a layer the first time its shared input arrives."""
+class _GroupHook:
+    """The forward pre-hook on one LinearGroup's members: the first time the group's shared
+    input arrives it runs the group step on it (group.py), folds the smoothing into the
+    model and sets the fake-quantized weights; each member then gets the input it computes with."""
 
     def __init__(self, layer: torch.nn.Module, group: LinearGroup, prefix: str, recipe: Recipe,
                  results: dict[str, QuantizedLinear], valid: torch.Tensor):
@@ -161,7 +165,19 @@ class _GroupQuantizer:
         return x
 
 
+_KV_HOOK_ATTR = "_ascend_quant_kv_hook"
+
+
+def _dispatch_kv_hook(module, key, value):
+    """The model-wide attention hook: call the hook of this attention module, if any."""
+    hook = getattr(module, _KV_HOOK_ATTR, None)
+    return hook(module, key, value) if hook is not None else None
+
+
 class _KVQuantizer:
+    """One attention module's C8 hook: chooses the K/V scales on the first post-RoPE K/V it
+    sees and fake-quantizes them."""
+
     def __init__(self, method: str, valid: torch.Tensor):
         self.method, self.valid = method, valid
         self.k_obs, self.v_obs = KVObserver(), KVObserver()
@@ -204,15 +220,6 @@ def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
             h.remove()
         delattr(attention, _KV_HOOK_ATTR)
     return (out[0] if isinstance(out, tuple) else out), kvq
-
-
-_KV_HOOK_ATTR = "_ascend_quant_kv_hook"
-
-
-def _dispatch_kv_hook(module, key, value):
-    """The model-wide attention hook: call the hook of this attention module, if any."""
-    hook = getattr(module, _KV_HOOK_ATTR, None)
-    return hook(module, key, value) if hook is not None else None
 
 
 # ---------------------------------------------------------------------- the layers
@@ -276,7 +283,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         if stream is not None:              # streamed: this layer's float weights arrive now
             stream.load_layer(i)
         prefix = f"{spec.layers_path}.{i}"
-        groups = [_GroupQuantizer(layer, g, prefix, recipe, results, valid) for g in spec.groups]
+        groups = [_GroupHook(layer, g, prefix, recipe, results, valid) for g in spec.groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
         attention = layer.get_submodule(spec.attention)
@@ -318,7 +325,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     return results, kv_scales, reports
 
 
-def _layer_report(index: int, seconds: float, groups: list[_GroupQuantizer], results: dict[str, QuantizedLinear],
+def _layer_report(index: int, seconds: float, groups: list[_GroupHook], results: dict[str, QuantizedLinear],
                   prefix: str) -> LayerReport:
     report = LayerReport(index, seconds)
     for gq in groups:
