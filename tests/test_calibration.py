@@ -233,7 +233,7 @@ def test_shared_rows_calibrate_like_one_row_each(tiny, calib_jsonl):
         # the shared rows' end-of-text room left out of the statistics, to compare like for like
         valid = s.valid & (s.ids != tok.eos_token_id) if share else s.valid
         results, kv, _ = runner.quantize_model(model, s.ids, recipe, valid=valid,
-                                                 position_ids=s.position_ids)
+                                               position_ids=s.position_ids)
         outs.append((results, kv))
     (a, ka), (b, kb) = outs
     for name in a:
@@ -338,7 +338,7 @@ def test_streamed_calibration_reads_unchanged_tensors_back(tmp_path, tiny, calib
     streamed = StreamedModel(tiny)
     s = tokenize_samples(load_texts(calib_jsonl), AutoTokenizer.from_pretrained(tiny), 4, 64)
     runner.quantize_model(streamed.model, s.ids, recipes.preset("float"), valid=s.valid,
-                            release_weights=True, position_ids=s.position_ids, stream=streamed)
+                          release_weights=True, position_ids=s.position_ids, stream=streamed)
     assert all(p.is_meta for p in streamed.model.parameters())
 
 
@@ -459,7 +459,7 @@ def test_reproduces_msmodelslim_static_w8a8_c8(tmp_path, tiny, calib_jsonl):
                          activations=recipes.Activations("running"))
     out = tmp_path / "out"
     job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=4096, packing=False,
-                       show_progress=False)
+                  show_progress=False)
     mine = load_file(out / "quant_model_weights.safetensors")
     gold = read_checkpoint(fixture_dir("v1_w8a8_static_c8")).tensors()
     assert set(mine) == set(gold)

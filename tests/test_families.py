@@ -284,7 +284,7 @@ def test_vllm_config_maps_gemma_fused_names_and_refuses_a_norm_bias(tmp_path, ti
     from ascend_quant.runtime.vllm.config import AscendQuantConfig
     out = tmp_path / "ckpt"
     job.calibrate(str(tiny["gemma3"]), out, recipes.preset("w8a16"), calib_jsonl, num_samples=4, seq_len=32,
-                       show_progress=False)
+                  show_progress=False)
     config = AscendQuantConfig()
     config.maybe_update_config(str(out))
     assert config.shard_prefixes("model.layers.0.mlp.gate_up_proj") == ["model.layers.0.mlp.gate_proj",

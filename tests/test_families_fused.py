@@ -131,7 +131,7 @@ def test_calibrate_every_scheme_verifies(tmp_path, tiny_dirs, calib_jsonl, famil
     rec = recipes.preset(scheme, group)
     out = tmp_path / "out"
     job.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
-                       show_progress=False)
+                  show_progress=False)
     report = verify(out)
     assert report.ok, report.problems
     ckpt = read_checkpoint(out)
@@ -155,7 +155,7 @@ def test_vllm_serves_w8a8_dynamic_like_the_reference(tmp_path, tiny_dirs, calib_
 
     out = tmp_path / "out"
     job.calibrate(str(tiny_dirs[family]), out, recipes.preset("w8a8-dynamic"), calib_jsonl,
-                       num_samples=8, seq_len=64, show_progress=False)
+                  num_samples=8, seq_len=64, show_progress=False)
     generations = run_engine(out)
     for prompt, (tokens, logprobs) in zip(PROMPTS, generations):
         assert len(tokens) == MAX_TOKENS
@@ -177,7 +177,7 @@ def test_calibration_smooths_down_through_the_up_half(tmp_path, tiny_dirs, calib
     rec.ignore = ["lm_head"]
     out = tmp_path / "out"
     result = job.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
-                                show_progress=False)
+                           show_progress=False)
     assert all(r.alphas.get("down") == 0.9 for r in result.reports)
     assert verify(out).ok
     ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))

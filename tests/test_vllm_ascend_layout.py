@@ -175,8 +175,8 @@ def world(tmp_path_factory):
     for scheme, group in (("W8A8", 0), ("W4A8_DYNAMIC", 32)):
         out = tmp / f"calibrated-{scheme}"
         job.calibrate(str(fixture_dir("tiny-qwen2-bf16")), out,
-                           recipes.Recipe(scheme, method="minmax", group_size=group),
-                           str(FIXTURES / "calib.jsonl"), num_samples=4, seq_len=32, show_progress=False)
+                      recipes.Recipe(scheme, method="minmax", group_size=group),
+                      str(FIXTURES / "calib.jsonl"), num_samples=4, seq_len=32, show_progress=False)
         folders[f"calibrated-{scheme}"] = out
     folders["converted-v1_w8a8_dyn"] = tmp / "converted"
     convert(fixture_dir("v1_w8a8_dyn"), folders["converted-v1_w8a8_dyn"], dtype="bf16")
