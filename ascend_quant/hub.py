@@ -2,9 +2,10 @@
 
 The card (`README.md` with YAML metadata, through `huggingface_hub.ModelCard`) says how the
 checkpoint was made (scheme per layer type, recipe, calibration data), how good it is
-(`eval_results.json`, when `ascend-quant eval` has run) and how to serve it. `calibrate`
-writes it; `upload` refreshes it and sends the checkpoint's own files in one commit.
-Tokens come from huggingface_hub's usual places and are never printed.
+(`eval_results.json`, when `ascend-quant eval` has run) and how to serve it. The
+`calibrate` command writes it once the checkpoint is written (calibration itself does not);
+`upload` refreshes it and sends the checkpoint's own files in one commit. Tokens come from
+huggingface_hub's usual places and are never printed.
 """
 
 from __future__ import annotations
@@ -69,12 +70,16 @@ def schemes_by_layer_type(description: dict[str, str]) -> dict[str, str]:
 
 
 def model_card(folder: str | Path, repo_id: str | None = None):
-    """The ModelCard of a checkpoint folder, from the files in it."""
+    """The ModelCard of a checkpoint folder, from the files in it, titled `repo_id` or else
+    `<base model>-<scheme>` (the folder's name when the base model is not recorded)."""
     folder = Path(folder)
     ckpt = read_checkpoint(folder)
     recipe = (folder / RECIPE_NAME).read_text() if (folder / RECIPE_NAME).is_file() else None
-    return render_card(ckpt.description, ckpt.meta, _read_json(folder / CALIBRATION_NAME) or {},
-                       recipe, _read_json(folder / EVAL_NAME), repo_id or folder.name)
+    calib = _read_json(folder / CALIBRATION_NAME) or {}
+    base = {**(ckpt.meta.get("metadata") or {}), **calib}.get("base_model")
+    name = repo_id or (f"{str(base).rpartition('/')[2]}-{ckpt.meta.get('model_quant_type', 'FLOAT')}"
+                       if base else folder.name)
+    return render_card(ckpt.description, ckpt.meta, calib, recipe, _read_json(folder / EVAL_NAME), name)
 
 
 def render_card(description: dict[str, str], meta: dict, calib: dict, recipe: str | None,

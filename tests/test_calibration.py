@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer
 from safetensors.torch import load_file, save_file
 
 from ascend_quant import numerics
-from ascend_quant.calibration import pipeline, recipe as recipes
+from ascend_quant.calibration import job, recipe as recipes, runner
 from ascend_quant.calibration.data import DataError, load_texts, tokenize_samples
 from ascend_quant.calibration.gptq import gptq_quantize, hessian
 from ascend_quant.calibration.kv import KVObserver
@@ -231,8 +232,8 @@ def test_shared_rows_calibrate_like_one_row_each(tiny, calib_jsonl):
         recipe = dataclasses.replace(recipes.preset("w8a8"), method="minmax", kv_cache=recipes.KVCache())
         # the shared rows' end-of-text room left out of the statistics, to compare like for like
         valid = s.valid & (s.ids != tok.eos_token_id) if share else s.valid
-        results, kv, _ = pipeline.quantize_model(model, s.ids, recipe, valid=valid,
-                                                 position_ids=s.position_ids)
+        results, kv, _ = runner.quantize_model(model, s.ids, recipe, valid=valid,
+                                               position_ids=s.position_ids)
         outs.append((results, kv))
     (a, ka), (b, kb) = outs
     for name in a:
@@ -287,7 +288,7 @@ def test_smoothing_alphas_per_group_are_applied_and_recorded(tmp_path, tiny, cal
     rec = recipes.preset("w8a8-dynamic")
     rec.smoothquant = recipes.SmoothQuant(alpha=0.8, alphas=[0.5, 0.9], group_alpha={"down": 0.3})
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     layers = json.loads((out / "ascend_quant_calibration.json").read_text())["layers"]
     for layer in layers:
         chosen = layer["smoothquant_alphas"]
@@ -323,7 +324,7 @@ def test_streamed_calibration_reads_unchanged_tensors_back(tmp_path, tiny, calib
         rec = recipes.preset(scheme)
         rec.kv_cache = recipes.KVCache()
         out = tmp_path / scheme
-        pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+        job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
         assert verify(out).ok
         got = load_file(str(out / "quant_model_weights.safetensors"))
         same = [n for n in src if n in got and torch.equal(got[n], src[n])]
@@ -336,8 +337,8 @@ def test_streamed_calibration_reads_unchanged_tensors_back(tmp_path, tiny, calib
             assert "model.layers.1.input_layernorm.weight" not in same
     streamed = StreamedModel(tiny)
     s = tokenize_samples(load_texts(calib_jsonl), AutoTokenizer.from_pretrained(tiny), 4, 64)
-    pipeline.quantize_model(streamed.model, s.ids, recipes.preset("float"), valid=s.valid,
-                            release_weights=True, position_ids=s.position_ids, stream=streamed)
+    runner.quantize_model(streamed.model, s.ids, recipes.preset("float"), valid=s.valid,
+                          release_weights=True, position_ids=s.position_ids, stream=streamed)
     assert all(p.is_meta for p in streamed.model.parameters())
 
 
@@ -367,10 +368,10 @@ def test_group_inputs_are_let_go_once_every_member_has_them(tiny, calib_jsonl):
         layer.mlp.down_proj.register_forward_pre_hook(check)
     rec = recipes.preset("w4a16")
     rec.group_size = 32
-    pipeline.quantize_model(model, s.ids, rec, valid=s.valid, position_ids=s.position_ids)
+    runner.quantize_model(model, s.ids, rec, valid=s.valid, position_ids=s.position_ids)
     assert alive_at_down == [[]] * len(model.model.layers)
 
-# ----------------------------------------------------------------- the pipeline
+# -------------------------------------------------------------------- the whole job
 
 SCHEME_CASES = [
     ("w8a8", {"kv_cache": "int8"}),
@@ -391,7 +392,7 @@ def test_calibrate_every_scheme_verifies_and_tracks_float(tmp_path, tiny, calib_
     if "kv_cache" in opts:
         rec.kv_cache = recipes.KVCache()
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     report = verify(out)
     assert report.ok, report.problems
     ckpt = read_checkpoint(out)
@@ -417,7 +418,7 @@ def test_calibrate_every_scheme_verifies_and_tracks_float(tmp_path, tiny, calib_
 def test_static_w8a8_shares_input_scale_across_fused(tmp_path, tiny, calib_jsonl):
     rec = recipes.preset("w8a8")
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     t = load_file(out / "quant_model_weights.safetensors")
     for i in range(2):
         p = f"model.layers.{i}"
@@ -457,8 +458,8 @@ def test_reproduces_msmodelslim_static_w8a8_c8(tmp_path, tiny, calib_jsonl):
     rec = recipes.Recipe("W8A8", method="minmax", kv_cache=recipes.KVCache(method="msmodelslim"),
                          activations=recipes.Activations("running"))
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=4096, packing=False,
-                       show_progress=False)
+    job.calibrate(str(tiny), out, rec, calib_jsonl, num_samples=8, seq_len=4096, packing=False,
+                  show_progress=False)
     mine = load_file(out / "quant_model_weights.safetensors")
     gold = read_checkpoint(fixture_dir("v1_w8a8_static_c8")).tensors()
     assert set(mine) == set(gold)
@@ -507,6 +508,12 @@ def test_cli_calibrate_and_eval(tmp_path, tiny, calib_jsonl):
                 "--num-samples", "4", "--seq-len", "64", "--method", "minmax"])
     assert res.exit_code == 0, res.output
     assert "wrote" in res.output and verify(out).ok
+    # the command writes the model card from the checkpoint it wrote
+    from huggingface_hub import ModelCard
+    card = ModelCard.load(out / "README.md")
+    calib = json.loads((out / "ascend_quant_calibration.json").read_text())
+    assert card.data.base_model == calib["base_model"] and "w8a8-dynamic" in card.data.tags
+    assert "4 samples x 64 tokens of calib.jsonl" in card.text
     res = _run(["eval", "--model", str(tiny), "--quantized", str(out), "--dataset", calib_jsonl,
                 "--tokens", "256", "--seq-len", "64", "--json"])
     assert res.exit_code == 0, res.output
@@ -514,6 +521,14 @@ def test_cli_calibrate_and_eval(tmp_path, tiny, calib_jsonl):
     assert data["tokens"] == 256 and len(data["layer_errors"]) == 2
     assert abs(data["delta"]) < 0.05
     assert json.loads((out / "eval_results.json").read_text())["quantized_ppl"] == data["quantized_ppl"]
+
+
+def test_calibration_leaves_the_card_to_the_cli():
+    """The model card is hub.py's, written by the CLI: no calibration module imports hub."""
+    import ascend_quant.calibration as package
+    for path in Path(package.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "ascend_quant.hub" not in text and "from ascend_quant import hub" not in text, path.name
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -593,7 +608,7 @@ def test_nan_activations_stop_cleanly(tmp_path, tiny, calib_jsonl):
 def test_ctrl_c_leaves_no_folder(tmp_path, tiny, calib_jsonl, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(pipeline, "quantize_model", interrupted)
+    monkeypatch.setattr(job, "quantize_model", interrupted)
     res = _run(["calibrate", str(tiny), "-o", str(tmp_path / "q"), "--dataset", calib_jsonl,
                 "--num-samples", "2", "--seq-len", "32"])
     assert res.exit_code == 1 and "interrupted" in res.output

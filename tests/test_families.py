@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ascend_quant.arch import lean_mlp, spec_for_model
 from ascend_quant.arch.attention import install_attention_hook
-from ascend_quant.calibration import pipeline, recipe as recipes
+from ascend_quant.calibration import job, recipe as recipes
 from ascend_quant.calibration.smoothquant import apply_smoothing
 from ascend_quant.formats.verify import verify
 from ascend_quant.runtime.reference_model import load_reference_model
@@ -185,7 +185,7 @@ def test_gemma2_c8_calibration_matches_eager_attention(tmp_path, tiny, calib_jso
     softcapped eager attention within the KV rounding error, far closer than the uncapped one."""
     rec = recipes.preset("float")                      # weights float, KV cache int8
     out = tmp_path / "c8"
-    pipeline.calibrate(str(tiny["gemma2"]), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny["gemma2"]), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     assert verify(out).ok
     tensors = load_file(str(out / "quant_model_weights.safetensors"))
     assert "model.layers.0.self_attn.k_proj.kv_cache_scale" in tensors
@@ -209,7 +209,7 @@ def test_every_scheme_calibrates_verifies_and_tracks_float(family, scheme, tmp_p
     written, and the reference forward close to the float model."""
     rec = recipes.preset(scheme, 32 if scheme in ("w4a16", "w4a8") else None)
     out = tmp_path / scheme
-    pipeline.calibrate(str(tiny[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     report = verify(out)
     assert report.ok, report.problems
     desc = json.loads((out / "quant_model_description.json").read_text())
@@ -229,7 +229,7 @@ def test_reference_model_reproduces_float_without_quantization(family, tmp_path,
     (1+w) norms, tied head, softcaps), to fp32 noise."""
     rec = recipes.Recipe("FLOAT", method="minmax")
     out = tmp_path / "float"
-    pipeline.calibrate(str(tiny[family]), out, rec, calib_jsonl, num_samples=4, seq_len=32, show_progress=False)
+    job.calibrate(str(tiny[family]), out, rec, calib_jsonl, num_samples=4, seq_len=32, show_progress=False)
     assert verify(out).ok
     with torch.no_grad():
         want = _float_model(tiny[family], attn_implementation="eager")(IDS).logits
@@ -259,7 +259,7 @@ def test_vllm_serves_calibrated_gemma_like_the_reference(family, tmp_path, calib
                      recipes.Override(f"model.layers.{last}.mlp.*", "w4a16")]
     rec.kv_cache = recipes.KVCache(method="absmax")     # int8 pages on sliding and full layers
     out = tmp_path / "mixed"
-    pipeline.calibrate(str(src), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(src), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     assert verify(out).ok
     desc = json.loads((out / "quant_model_description.json").read_text())
     assert {desc["model.layers.0.mlp.up_proj.weight"], desc["model.layers.1.self_attn.q_proj.weight"],
@@ -283,8 +283,8 @@ def test_vllm_config_maps_gemma_fused_names_and_refuses_a_norm_bias(tmp_path, ti
     gate_up_proj of a Gemma checkpoint, places no norm bias, and refuses one a tool added."""
     from ascend_quant.runtime.vllm.config import AscendQuantConfig
     out = tmp_path / "ckpt"
-    pipeline.calibrate(str(tiny["gemma3"]), out, recipes.preset("w8a16"), calib_jsonl, num_samples=4, seq_len=32,
-                       show_progress=False)
+    job.calibrate(str(tiny["gemma3"]), out, recipes.preset("w8a16"), calib_jsonl, num_samples=4, seq_len=32,
+                  show_progress=False)
     config = AscendQuantConfig()
     config.maybe_update_config(str(out))
     assert config.shard_prefixes("model.layers.0.mlp.gate_up_proj") == ["model.layers.0.mlp.gate_proj",

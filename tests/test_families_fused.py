@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from ascend_quant.arch import spec_for_model  # noqa: E402
-from ascend_quant.calibration import pipeline, recipe as recipes  # noqa: E402
+from ascend_quant.calibration import job, recipe as recipes  # noqa: E402
 from ascend_quant.calibration.smoothquant import apply_smoothing  # noqa: E402
 from ascend_quant.formats.ascend import read_checkpoint  # noqa: E402
 from ascend_quant.formats.inspect import format_summary, summarize  # noqa: E402
@@ -130,8 +130,8 @@ def test_calibrate_every_scheme_verifies(tmp_path, tiny_dirs, calib_jsonl, famil
 
     rec = recipes.preset(scheme, group)
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
-                       show_progress=False)
+    job.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
+                  show_progress=False)
     report = verify(out)
     assert report.ok, report.problems
     ckpt = read_checkpoint(out)
@@ -154,8 +154,8 @@ def test_vllm_serves_w8a8_dynamic_like_the_reference(tmp_path, tiny_dirs, calib_
     from test_vllm_runtime import LOGPROB_TOL, MAX_TOKENS, PROMPTS, reference_logprobs, run_engine
 
     out = tmp_path / "out"
-    pipeline.calibrate(str(tiny_dirs[family]), out, recipes.preset("w8a8-dynamic"), calib_jsonl,
-                       num_samples=8, seq_len=64, show_progress=False)
+    job.calibrate(str(tiny_dirs[family]), out, recipes.preset("w8a8-dynamic"), calib_jsonl,
+                  num_samples=8, seq_len=64, show_progress=False)
     generations = run_engine(out)
     for prompt, (tokens, logprobs) in zip(PROMPTS, generations):
         assert len(tokens) == MAX_TOKENS
@@ -176,8 +176,8 @@ def test_calibration_smooths_down_through_the_up_half(tmp_path, tiny_dirs, calib
     rec.smoothquant = recipes.SmoothQuant(alpha=0.5, smooth_down=True, alphas=[], group_alpha={"down": 0.9})
     rec.ignore = ["lm_head"]
     out = tmp_path / "out"
-    result = pipeline.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
-                                show_progress=False)
+    result = job.calibrate(str(tiny_dirs[family]), out, rec, calib_jsonl, num_samples=8, seq_len=64,
+                           show_progress=False)
     assert all(r.alphas.get("down") == 0.9 for r in result.reports)
     assert verify(out).ok
     ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))

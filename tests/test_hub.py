@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from ascend_quant.calibration import pipeline, recipe as recipes
+from ascend_quant.calibration import job, recipe as recipes
 from hub_server import FakeHub
 
 TOKEN = "hf_" + "S3cretT0kenForTests" * 2
@@ -27,7 +27,7 @@ def calibrated(tmp_path_factory, reference_model):
     out = tmp_path_factory.mktemp("hub") / "smollm2-w8a8"
     rec = recipes.preset("w8a8-dynamic")
     rec.method = "minmax"
-    pipeline.calibrate(str(reference_model), out, rec, num_samples=2, seq_len=64, show_progress=False)
+    job.calibrate(str(reference_model), out, rec, num_samples=2, seq_len=64, show_progress=False)
     res = subprocess.run(CLI + ["eval", "--model", str(reference_model), "--quantized", str(out),
                                 "--tokens", "512", "--seq-len", "128"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

@@ -24,8 +24,8 @@ import torch
 
 import vllm_ascend_peer as peer
 from ascend_quant import numerics
-from ascend_quant.calibration import pipeline, recipe as recipes
-from ascend_quant.calibration.pipeline import QuantizedLinear
+from ascend_quant.calibration import job, recipe as recipes
+from ascend_quant.calibration.quantized import QuantizedLinear
 from ascend_quant.formats.ascend import DESCRIPTION_NAME, read_checkpoint, write_checkpoint
 from ascend_quant.formats.convert import convert
 from ascend_quant.arch import DEFAULT as LLAMA_SPEC
@@ -174,9 +174,9 @@ def world(tmp_path_factory):
     folders = {}
     for scheme, group in (("W8A8", 0), ("W4A8_DYNAMIC", 32)):
         out = tmp / f"calibrated-{scheme}"
-        pipeline.calibrate(str(fixture_dir("tiny-qwen2-bf16")), out,
-                           recipes.Recipe(scheme, method="minmax", group_size=group),
-                           str(FIXTURES / "calib.jsonl"), num_samples=4, seq_len=32, show_progress=False)
+        job.calibrate(str(fixture_dir("tiny-qwen2-bf16")), out,
+                      recipes.Recipe(scheme, method="minmax", group_size=group),
+                      str(FIXTURES / "calib.jsonl"), num_samples=4, seq_len=32, show_progress=False)
         folders[f"calibrated-{scheme}"] = out
     folders["converted-v1_w8a8_dyn"] = tmp / "converted"
     convert(fixture_dir("v1_w8a8_dyn"), folders["converted-v1_w8a8_dyn"], dtype="bf16")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ascend_quant.calibration import CalibrationError
+
 
 class StreamingUnavailable(Exception):
     """The folder cannot be streamed (no safetensors, names that differ from the modules)."""
@@ -23,8 +25,6 @@ class StreamingUnavailable(Exception):
 
 def _unreadable(path: Path, e: Exception):
     """A weights file that cannot be read (truncated, corrupt): one line naming it."""
-    from ascend_quant.calibration.pipeline import CalibrationError
-
     detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     return CalibrationError(f"{path}: cannot read the weights ({detail})")
 

@@ -35,9 +35,11 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
     import torch
 
     from ascend_quant.assets import AssetError, reference_model_dir
-    from ascend_quant.calibration import recipe as recipes
+    from ascend_quant.calibration import CalibrationError, recipe as recipes
     from ascend_quant.calibration.data import DataError
-    from ascend_quant.calibration.pipeline import CalibrationError, calibrate, format_reports
+    from ascend_quant.calibration.job import calibrate
+    from ascend_quant.calibration.runner import format_reports
+    from ascend_quant.hub import write_card
     from ascend_quant.arch import UnsupportedModelError
 
     if threads:
@@ -72,6 +74,7 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted: nothing was written") from None
+    write_card(result.out)          # README.md, from the checkpoint just written
     click.echo(format_reports(result.reports))
     click.echo(f"wrote {result.out} ({recipe.scheme}, {result.num_samples} samples x {result.seq_len} tokens, "
                f"{result.seconds:.1f} s)")

@@ -1,0 +1,221 @@
+"""The group step: smooth -> observe -> quantize one group of Linears that share an input.
+
+Pure functions on tensors, called in this order by the runner's hook (runner.py) once it
+holds the group's input: `choose_smoothing` (SmoothQuant factors, or none; the runner folds
+them into the producer and the members), `observe_activations` (static W8A8: one range for
+the whole group), `fake_quantized_inputs` (what the members compute with, per scheme) and
+`quantize_linears` (GPTQ with the group's shared Hessian, or min-max rounding). Nothing
+here changes a module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.calibration import CalibrationError
+from ascend_quant.calibration.gptq import gptq_quantize, hessian
+from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
+from ascend_quant.calibration.quantized import QuantizedLinear, _fake_quant_activation
+from ascend_quant.calibration.recipe import Recipe
+from ascend_quant.calibration.smoothquant import search_alpha, smoothing_factors
+from ascend_quant.schemes import SCHEMES
+
+# Tokens used for the per-Linear error report (a fixed subsample keeps it cheap).
+ERROR_TOKENS = 256
+# SmoothQuant's alpha search compares its candidates on this many tokens (evenly strided),
+# ~5% of the calibration time. Its choice depends on the sample: W8A8_DYNAMIC on SmolLM2-135M
+# scored +0.75% to +1.17% for different samples of 256 or 512 (recipe.py keeps it for W4A8)
+SEARCH_TOKENS = 256
+
+
+@dataclass
+class ActivationQParams:
+    """A group's static activation range (all None: no static W8A8 member)."""
+    input_scale: torch.Tensor | None = None     # [1]
+    input_offset: torch.Tensor | None = None    # [1]
+    running: tuple[torch.Tensor, torch.Tensor] | None = None   # per-sample (scale, offset) [B, 1, 1]
+
+
+def stride(x: torch.Tensor, count: int) -> torch.Tensor:
+    """At most `count` rows of x, an even stride through all of them, as a view (count 0:
+    all rows)."""
+    if not count or x.shape[0] <= count:
+        return x
+    return x[::-(-x.shape[0] // count)]
+
+
+def error_sample(tokens: torch.Tensor) -> torch.Tensor:
+    """The tokens [t, k] the error report is computed on: ERROR_TOKENS evenly spaced ones (a copy)."""
+    return tokens[torch.linspace(0, tokens.shape[0] - 1, min(ERROR_TOKENS, tokens.shape[0])).long()]
+
+
+# ------------------------------------------------------------------------ smooth
+
+def smooths(recipe: Recipe, schemes: Iterable[str], through_linear: bool) -> bool:
+    """Whether a group with a producer is smoothed: smoothing helps activation quantization,
+    weight-only groups skip it, and smoothing through a Linear (up_proj -> down_proj) is optional."""
+    sq = recipe.smoothquant
+    if sq is None:
+        return False
+    if not any(SCHEMES[s].activation_bits is not None for s in schemes):
+        return False
+    return sq.smooth_down or not through_linear
+
+
+def choose_smoothing(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized: dict[str, str],
+                     recipe: Recipe, group_name: str) -> tuple[float | None, torch.Tensor | None]:
+    """(alpha, s [k]) for a group with input tokens [t, k] and members' weights [n_i, k]: the
+    recipe's alpha for this group (`group_alpha`), else the best of its `alphas` on a token
+    sample (alpha and s None: not smoothing is best), else its `alpha`. `quantized`: the
+    members that are quantized -> their scheme."""
+    sq = recipe.smoothquant
+    act_absmax = torch.maximum(tokens.amax(0), -tokens.amin(0))
+    if group_name in sq.group_alpha or not sq.alphas:
+        alpha = sq.group_alpha.get(group_name, sq.alpha)
+        return alpha, smoothing_factors(act_absmax, list(weights.values()), alpha)
+    scheme = next(s for s in quantized.values() if SCHEMES[s].activation_bits is not None)
+    info = SCHEMES[scheme]
+    gs = recipe.group_size if info.weight_bits == 4 else 0
+
+    def quantize_input(x):
+        if info.activation_mode == "dynamic":
+            return numerics.fake_quantize_activation_dynamic(x, in_place=True)
+        scale, offset = numerics.activation_qparams(x.min(), x.max())
+        return numerics.dequantize(numerics.quantize(x, scale, 8, offset=offset), scale, offset)
+
+    def quantize_weight(w):
+        return numerics.dequantize(*numerics.quantize_weight(w, info.weight_bits, gs))
+
+    alpha, s = search_alpha(stride(tokens, SEARCH_TOKENS), act_absmax, [weights[n] for n in quantized],
+                            sq.alphas, quantize_input, quantize_weight)
+    return alpha, (None if alpha is None else s)
+
+
+# ----------------------------------------------------------------------- observe
+
+def running_qparams(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """msModelSlim's running observer, vectorized over the batch: sample b of x [B, L, k] is
+    quantized with the min/max of samples 0..b (its calibration forwards run one sample at a
+    time); `valid` [B, L] marks real tokens. Returns (scale, offset), each [B, 1, 1]."""
+    b = x.shape[0]
+    xs = x.reshape(b, -1, x.shape[-1]).float()
+    valid = valid.reshape(b, -1, 1)
+    mins = torch.where(valid, xs, torch.inf).amin((1, 2))
+    maxs = torch.where(valid, xs, -torch.inf).amax((1, 2))
+    scale, offset = numerics.activation_qparams(torch.cummin(mins, 0).values, torch.cummax(maxs, 0).values)
+    return scale.reshape(b, 1, 1), offset.reshape(b, 1, 1)
+
+
+def observe_activations(x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                        weights: dict[str, torch.Tensor], quantized: dict[str, str],
+                        recipe: Recipe) -> ActivationQParams:
+    """The group's static activation range, one for all its members, from its input x
+    [B, L, k] (`tokens` [t, k]: its real tokens, `valid` [B, L] marks them), by the recipe's
+    observer (mse weighs input channels by the members' squared weights)."""
+    if not any(SCHEMES[s].activation_mode == "static" for s in quantized.values()):
+        return ActivationQParams()
+    observer = recipe.activations.observer
+    if observer == "running":
+        running = running_qparams(x, valid)
+        return ActivationQParams(running[0][-1].reshape(1), running[1][-1].reshape(1), running)
+    if observer == "mse":
+        importance = sum(weights[n].float().pow(2).sum(0) for n in quantized)
+        return ActivationQParams(*numerics.activation_qparams(*mse_activation_range(tokens, importance)))
+    obs = RangeObserver(recipe.activations.percentile if observer == "percentile" else 100.0)
+    obs.update(tokens)
+    return ActivationQParams(*obs.qparams())
+
+
+def fake_quantized_inputs(x: torch.Tensor, subsample: torch.Tensor, quantized: dict[str, str],
+                          qparams: ActivationQParams, in_place: bool = False
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per scheme of the group's members: the input x they compute with (fake-quantized;
+    `in_place` overwrites x) and the same for the error report's `subsample`."""
+    inputs: dict[str, torch.Tensor] = {}
+    sub_inputs: dict[str, torch.Tensor] = {}
+    for scheme in dict.fromkeys(quantized.values()):
+        probe = QuantizedLinear(scheme, torch.empty(0), torch.empty(0), None,
+                                input_scale=qparams.input_scale, input_offset=qparams.input_offset)
+        sub_inputs[scheme] = _fake_quant_activation(subsample, scheme, probe)
+        inputs[scheme] = _fake_quant_activation(x, scheme, probe, in_place=in_place)
+    return inputs, sub_inputs
+
+
+# ---------------------------------------------------------------------- quantize
+
+def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str) -> dict:
+    """How one member's weight w [n, k] is rounded: method, group size and, for two-stage
+    int4, the fixed scales s1 [n, 1] and s2 [n, k // g]."""
+    info = SCHEMES[scheme]
+    method = recipe.method_for(f"{prefix}.{name}")
+    k = w.shape[1]
+    gs = recipe.group_size if info.weight_bits == 4 or (scheme == "W8A16" and recipe.group_size) else 0
+    if gs and k % gs:
+        raise CalibrationError(
+            f"{prefix}.{name}: in-features {k} are not divisible by --group-size {gs}; "
+            f"use a group size that divides {k} (e.g. 64 or 32)")
+    s1 = s2 = fixed = None
+    if scheme == "W4A8_DYNAMIC" and gs > 0:                     # two-stage int4 scales
+        s1 = numerics.absmax_scale(w.abs().amax(-1, keepdim=True), numerics.TWO_STAGE_INT8_BOUND)
+        group_scale = mse_weight_scale(w, 4, gs) if method == "gptq" else numerics.weight_scale(w, 4, gs)
+        s2 = torch.clamp(torch.round(group_scale / s1), 1.0, 127.0)
+        fixed = s1 * s2
+    return dict(scheme=scheme, method=method, w=w, gs=gs, s1=s1, s2=s2, fixed=fixed)
+
+
+def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Recipe
+           ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every member's (q, scale): min-max, or GPTQ on the Hessian of its scheme's input
+    tokens `inputs[scheme]` [t, k]. Members of one scheme share that input, so their GPTQ
+    runs once on the rows stacked."""
+    rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    batches: dict[tuple, list[str]] = {}
+    for name, plan in plans.items():
+        if plan["method"] == "gptq":
+            batches.setdefault((plan["scheme"], plan["gs"], plan["fixed"] is not None), []).append(name)
+        else:
+            scale = plan["fixed"] if plan["fixed"] is not None else \
+                numerics.weight_scale(plan["w"], SCHEMES[plan["scheme"]].weight_bits, plan["gs"])
+            rounded[name] = (numerics.quantize(plan["w"], scale, SCHEMES[plan["scheme"]].weight_bits), scale)
+    for (scheme, gs, has_fixed), names in batches.items():
+        g = recipe.gptq
+        rows = [plans[n]["w"].shape[0] for n in names]
+        fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
+        q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]),
+                                 hessian(stride(inputs[scheme], g.hessian_tokens and
+                                                max(g.hessian_tokens, 4 * inputs[scheme].shape[-1]))),
+                                 SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
+                                 g.mse_scales, scale=fixed)
+        rounded.update(zip(names, zip(q.split(rows), scale.split(rows))))
+    return rounded
+
+
+def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.Tensor | None],
+                     quantized: dict[str, str], inputs: dict[str, torch.Tensor], subsample: torch.Tensor,
+                     sub_inputs: dict[str, torch.Tensor], qparams: ActivationQParams, row_parallel: bool,
+                     recipe: Recipe, prefix: str) -> dict[str, QuantizedLinear]:
+    """The quantized members (`quantized`: name -> scheme) from their weights [n, k] and
+    biases, their scheme's input tokens `inputs[scheme]` [t, k] (GPTQ's Hessian) and the
+    group's activation range. Each one's `error` is its relative output error on the float
+    `subsample` against its fake-quantized copy `sub_inputs[scheme]` (weight and activation
+    rounding both count). `prefix` names the layer (recipe overrides, errors)."""
+    plans = {name: _plan(name, scheme, weights[name].float(), recipe, prefix) for name, scheme in quantized.items()}
+    rounded = _round(plans, inputs, recipe)
+    linears: dict[str, QuantizedLinear] = {}
+    for name, plan in plans.items():
+        scheme, w = plan["scheme"], plan["w"]
+        q, scale = rounded[name]
+        bias = biases[name].detach().float().clone() if biases[name] is not None else None
+        qlin = QuantizedLinear(scheme, q, plan["s1"] if plan["s1"] is not None else scale, bias, plan["s2"],
+                               qparams.input_scale, qparams.input_offset, running=qparams.running,
+                               row_parallel=row_parallel)
+        wq = qlin.dequantized()
+        ref = subsample @ w.t()
+        err = sub_inputs[scheme] @ wq.t() - ref
+        qlin.error = (err.norm() / ref.norm().clamp(min=1e-12)).item()
+        linears[name] = qlin
+    return linears

@@ -1,0 +1,226 @@
+"""The calibration job: load or stream the model, tokenize the data, run the runner, write
+the checkpoint with its provenance (source identity, config with the quant method, recipe,
+calibration record)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ascend_quant.arch import spec_for_model
+from ascend_quant.calibration import CalibrationError
+from ascend_quant.calibration.quantized import QuantizedLinear
+from ascend_quant.calibration.recipe import Recipe
+from ascend_quant.calibration.runner import LayerReport, quantize_model
+from ascend_quant.schemes import SCHEMES
+
+
+def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
+                       kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]], model_dtype: torch.dtype
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of the output checkpoint and its description type. Float tensors still
+    on the meta device (released by a streamed calibration, unchanged from the source) come
+    out as meta tensors of the output dtype: the writer's `loader` reads them."""
+    spec = spec_for_model(model)
+    tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    for prefix, qlin in results.items():
+        for name, (t, kind) in qlin.tensors(prefix, model_dtype).items():
+            tensors[name], types[name] = t, kind
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, param in model.state_dict().items():
+        prefix = name.rpartition(".")[0]
+        if prefix in results or (tied and name == "lm_head.weight"):
+            continue
+        dtype = _float_dtype(model_dtype)
+        tensors[name] = torch.empty(param.shape, dtype=dtype, device="meta") if param.is_meta else param.detach().to(dtype)
+        types[name] = "FLOAT"
+    for layer_prefix, (k_scale, v_scale) in kv_scales.items():      # C8 scales sit on the K/V projections
+        for proj, scale in zip(spec.kv_projections, (k_scale, v_scale)):
+            name = f"{layer_prefix}.{proj}"
+            tensors[f"{name}.kv_cache_scale"] = scale.float()
+            tensors[f"{name}.kv_cache_offset"] = torch.zeros_like(scale, dtype=torch.float32)
+            types[f"{name}.kv_cache_scale"] = types[f"{name}.kv_cache_offset"] = "C8"
+    return tensors, types
+
+
+def _float_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if model_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+def config_with_quant_method(config: dict) -> dict:
+    """config.json for the output: msModelSlim drops quantization_config; we add ours so that
+    vLLM picks the `ascend` method without --quantization (the writer puts the description in
+    it, which vllm-ascend needs)."""
+    cfg = json.loads(json.dumps(config))
+    cfg["quantization_config"] = {"quant_method": "ascend"}
+    return cfg
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@dataclass
+class CalibrationResult:
+    out: Path
+    seconds: float
+    num_samples: int
+    seq_len: int
+    reports: list[LayerReport]
+
+
+@dataclass
+class LoadedModel:
+    tokenizer: object
+    model: torch.nn.Module
+    source_dtype: torch.dtype
+    local: Path                                   # the folder holding config and tokenizer
+    stream: object = None                         # a StreamedModel (layers read on demand), or None
+
+
+def load_model(model_id: str, device: str = "cpu", stream: bool = True) -> LoadedModel:
+    """A folder or Hub id as an fp32 model. With `stream` (and safetensors whose names match
+    the modules) the decoder layers are read one at a time as calibration reaches them
+    (calibration/streaming.py); otherwise the whole model is loaded by transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ascend_quant.calibration.streaming import StreamedModel, StreamingUnavailable
+
+    path = Path(model_id)
+    if not path.exists() and (model_id.startswith((".", "/", "~")) or model_id.count("/") > 1):
+        raise CalibrationError(f"{model_id}: no such model folder")
+    where = "folder" if path.exists() else "Hugging Face Hub id (offline or not found?)"
+    try:
+        local = path if path.exists() else Path(_snapshot_dir(model_id))
+        config = AutoConfig.from_pretrained(local)
+        tokenizer = AutoTokenizer.from_pretrained(local)
+        streamed = None
+        if stream:
+            try:
+                streamed = StreamedModel(local, device)
+            except StreamingUnavailable:
+                streamed = None
+        model = streamed.model if streamed else AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
+    except OSError as e:
+        raise CalibrationError(f"{model_id}: cannot load as a {where}: {str(e).splitlines()[0][:200]}") from None
+    except ValueError as e:
+        raise CalibrationError(f"{model_id}: {str(e).splitlines()[0][:300]}") from None
+    except Exception as e:
+        if type(e).__module__.startswith("huggingface_hub"):       # offline, unknown repo, gated, ...
+            raise CalibrationError(f"{model_id}: cannot load as a {where}: {type(e).__name__}") from None
+        raise
+    if device != "cpu" and streamed is None:
+        model.to(device)
+    source_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(source_dtype, str):
+        source_dtype = getattr(torch, source_dtype)
+    model.eval()
+    return LoadedModel(tokenizer, model, source_dtype, local, streamed)
+
+
+def _snapshot_dir(model_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    return snapshot_download(model_id, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.safetensors"])
+
+
+def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | None = None,
+              num_samples: int = 128, seq_len: int = 512, seed: int = 0, device: str = "cpu",
+              chat_template: bool = False, packing: bool = True, show_progress: bool = True,
+              overwrite: bool = False,
+              extra_files: dict[str, str] | None = None) -> CalibrationResult:
+    """The whole job: load, sample, quantize layer by layer, write the checkpoint atomically
+    (the model card is the CLI's: `hub.write_card`)."""
+    from ascend_quant.calibration.data import load_texts, tokenize_samples
+    from ascend_quant.formats.ascend import write_checkpoint
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CalibrationError(f"{out} already exists (choose another -o or remove it)")
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    loaded = load_model(model_id, device)
+    tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
+    spec = spec_for_model(model)      # fail early on an unsupported architecture
+    texts = load_texts(dataset, "calibration")
+    # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
+    per_sample = recipe.activations.observer == "running" or (
+        recipe.kv_cache is not None and recipe.kv_cache.method == "msmodelslim")
+    samples, valid, position_ids = tokenize_samples(texts, tokenizer, num_samples, seq_len, seed, chat_template,
+                                                    packing, share_rows=not per_sample)
+    n_samples = int(((position_ids == 0) & valid).sum())
+    bar = None
+    if show_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(spec.layers(model)), desc="calibrating", unit="layer")
+
+    def progress(report: LayerReport) -> None:
+        if bar is not None:
+            worst = max(report.errors.values(), default=0.0)
+            bar.set_postfix_str(f"layer {report.index} worst rel. error {worst:.4f}")
+            bar.update(1)
+
+    try:
+        results, kv_scales, reports = quantize_model(model, samples.to(device), recipe, progress, valid,
+                                                     release_weights=True, position_ids=position_ids.to(device),
+                                                     stream=loaded.stream)
+    finally:
+        if bar is not None:
+            bar.close()
+    tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
+    config = config_with_quant_method(read_json(local / "config.json"))
+    base_model, license_ = source_identity(model_id, local)
+    meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
+            "num_samples": n_samples, "seq_len": int(seq_len),
+            "dataset": _dataset_name(dataset), "seed": seed}
+    files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
+             "ascend_quant_calibration.json": json.dumps(
+                 {**meta, "seconds": round(time.perf_counter() - start, 2),
+                  "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
+                              "errors": r.errors, "smoothquant_alphas": r.alphas} for r in reports]}, indent=2)}
+    files.update(extra_files or {})
+    group_size = group_size_for(recipe, results)
+    loader = None
+    if loaded.stream is not None:
+        def loader(name: str) -> torch.Tensor:
+            return loaded.stream.files.read([name], _float_dtype(source_dtype))[name]
+    write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
+                     metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
+    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports)
+
+
+def _dataset_name(dataset: str | None) -> str:
+    """How the calibration record (and the card) names the data: a Hub dataset by id, a local
+    file by its name only."""
+    if not dataset:
+        return "built-in wiki text (Wikipedia lead sections, calibration split)"
+    return Path(dataset).name if Path(dataset).exists() else dataset
+
+
+def group_size_for(recipe: Recipe, results: dict[str, QuantizedLinear]) -> int:
+    return recipe.group_size if any(SCHEMES[q.scheme].weight_bits == 4 for q in results.values()) else 0
+
+
+def source_identity(model_id: str, local: Path) -> tuple[str | None, str | None]:
+    """(base model id, license) of the source model: a Hub id names itself; a local folder is
+    named by its card's `model_name` or config's `_name_or_path` when that looks like a Hub id."""
+    license_ = name = None
+    card = local / "README.md"
+    if card.is_file():
+        try:
+            from huggingface_hub import ModelCard
+            data = ModelCard.load(card).data.to_dict()
+            license_, name = data.get("license"), data.get("model_name")
+        except Exception:      # a malformed card of the source model is not our error
+            pass
+    if not Path(model_id).exists():
+        return model_id, license_
+    cfg_name = read_json(local / "config.json").get("_name_or_path", "")
+    if not name and re.fullmatch(r"[\w.-]+/[\w.-]+", cfg_name or "") and not Path(cfg_name).exists():
+        name = cfg_name
+    return name or local.name, license_

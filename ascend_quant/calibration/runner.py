@@ -1,0 +1,353 @@
+"""The runner: capture the first layer's inputs, then calibrate the decoder layer by layer.
+
+For each decoder layer: run it once on the calibration inputs with hooks in place. When a
+group of Linears that share an input (q/k/v, o, gate/up, down) is reached, its hook holds
+that input for every calibration token and runs the group step there (group.py):
+SmoothQuant factors (folded here into the producing norm or Linear), the activation
+observer (static W8A8: one range for the whole group), GPTQ with the group's shared Hessian
+or min-max rounding; then the Linears continue with fake-quantized weights and activations.
+The attention hook sees post-RoPE K/V, chooses the C8 scales and fake-quantizes them. So
+every observation is made on the smoothed, already-quantized-upstream activations, in a
+single forward per layer, and the layer's output (what the next layer is calibrated on) is
+the quantized one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ascend_quant import memory
+from ascend_quant.arch import ArchSpec, LinearGroup, lean_mlp, spec_for_model
+from ascend_quant.arch.attention import install_attention_hook
+from ascend_quant.calibration import CalibrationError
+from ascend_quant.calibration.group import (choose_smoothing, error_sample, fake_quantized_inputs,
+                                            observe_activations, quantize_linears, smooths)
+from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
+from ascend_quant.calibration.quantized import QuantizedLinear, _fake_quant_activation
+from ascend_quant.calibration.recipe import Recipe
+from ascend_quant.calibration.smoothquant import apply_smoothing
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class LayerReport:
+    """What calibrating one decoder layer did: its time, each Linear's scheme and error, each
+    smoothed group's alpha."""
+    index: int
+    seconds: float
+    schemes: dict[str, str] = field(default_factory=dict)     # linear -> scheme
+    errors: dict[str, float] = field(default_factory=dict)    # linear -> relative output error
+    alphas: dict[str, float | None] = field(default_factory=dict)   # smoothed group -> alpha (None: none)
+
+
+# --------------------------------------------------------------------------- hooks
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in x: one reduction without a mask tensor (a NaN or Inf anywhere makes
+    the sum non-finite; activations are far too small to overflow a float32 sum)."""
+    return bool(torch.isfinite(x.sum()))
+
+
+class _GroupHook:
+    """The forward pre-hook on one LinearGroup's members: the first time the group's shared
+    input arrives it runs the group step on it (group.py), folds the smoothing into the
+    model and sets the fake-quantized weights; each member then gets the input it computes with."""
+
+    def __init__(self, layer: torch.nn.Module, group: LinearGroup, prefix: str, recipe: Recipe,
+                 results: dict[str, QuantizedLinear], valid: torch.Tensor):
+        self.layer, self.group, self.prefix, self.recipe, self.results = layer, group, prefix, recipe, results
+        self.valid2d = valid                      # [N, L] bool: real tokens, not padding
+        self.valid = valid.reshape(-1)
+        self.all_valid = bool(self.valid.all())    # then `flat` below is a view, not a copy
+        self.modules = {name: layer.get_submodule(name) for name in group.linears}
+        self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}") for name in group.linears}
+        self.source: torch.Tensor | None = None     # the input as it arrived
+        self.transformed: torch.Tensor | None = None
+        self.seen_by_scheme: dict[str, torch.Tensor] = {}
+        self.fed: set[torch.nn.Module] = set()     # members whose input has been handed over
+        self.alpha: float | None = None            # the smoothing applied (None: none)
+        self.smoothed = False
+        self.touched: set[str] = set()             # modules (layer-relative) whose weights changed
+
+    def pre_hook(self, module, args):
+        x = args[0]
+        if module in self.fed or (self.fed and x is not self.source):
+            raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
+        if not self.fed:
+            self.source = x
+            self.transformed = self._quantize(x)
+        seen = self._activation_for(module, self.transformed)
+        self.fed.add(module)
+        if len(self.fed) == len(self.modules):
+            # every member has its input: let go of the activations, so that they are freed
+            # as soon as the layer's forward drops them (not held to the layer's end)
+            self.source = self.transformed = None
+            self.seen_by_scheme.clear()
+        return (seen,)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[real tokens, k]: a view when there is no padding."""
+        flat = x.reshape(-1, x.shape[-1])
+        return flat if self.all_valid else flat[self.valid]
+
+    def _activation_for(self, module, x: torch.Tensor) -> torch.Tensor:
+        """The input a member sees; members of one scheme share it (and, for static W8A8,
+        one range), so it is computed once per scheme."""
+        name = next(n for n, m in self.modules.items() if m is module)
+        scheme = self.schemes[name]
+        if scheme == "FLOAT":
+            return x
+        if scheme not in self.seen_by_scheme:
+            self.seen_by_scheme[scheme] = _fake_quant_activation(x, scheme, self.results[f"{self.prefix}.{name}"])
+        return self.seen_by_scheme[scheme]
+
+    @torch.no_grad()
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the group step on the group's input x [B, L, k]; returns x as the members
+        receive it (smoothed; fake-quantized too where all of them share one version)."""
+        recipe, group = self.recipe, self.group
+        quantized = {n: s for n, s in self.schemes.items() if s != "FLOAT"}
+        if not quantized:
+            memory.trim()
+            return x
+        flat = self._tokens(x)
+        if not _all_finite(flat):
+            raise CalibrationError(f"NaN or Inf in the input of {self.prefix}.{self.group.linears[0]} "
+                                   "(check the model's dtype and the calibration data)")
+        # The group's input has no other reader (arch.LinearGroup.sole_consumer), so when all members
+        # compute with one version of it, smoothing and fake quantization overwrite it in
+        # place instead of holding two more copies of the largest activation of the layer.
+        in_place = (group.sole_consumer and x.dtype == torch.float32 and len(set(self.schemes.values())) == 1
+                    and recipe.activations.observer != "running")
+        weights = {name: m.weight for name, m in self.modules.items()}
+        # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
+        producer = self.layer.get_submodule(group.producer) if group.producer is not None else None
+        self.smoothed = producer is not None and smooths(recipe, quantized.values(),
+                                                         isinstance(producer, torch.nn.Linear))
+        s = None
+        if self.smoothed:
+            self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
+        if s is not None:
+            rows = group.producer_rows(producer.weight.shape[0])      # all, or gate_up_proj's up half
+            apply_smoothing(producer, list(self.modules.values()), s, group.producer_kind, rows)
+            self.touched.update([group.producer, *self.modules])
+            done = self.results.get(f"{self.prefix}.{group.producer}")
+            if done is not None:          # the producer is a Linear quantized earlier in this layer
+                done.scale_rows(s, rows)
+            x = x.div_(s) if in_place else x / s.to(x.dtype)
+            flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
+        # 2. activation range (static W8A8): one for the whole group
+        qparams = observe_activations(x, flat, self.valid2d, weights, quantized, recipe)
+        # 3. the input each scheme's members compute with: kept for the forward (unless
+        # msModelSlim's per-sample running ranges apply there), its real tokens feed GPTQ
+        subsample = error_sample(flat)
+        inputs, sub_inputs = fake_quantized_inputs(x, subsample, quantized, qparams, in_place)
+        if qparams.running is None:
+            self.seen_by_scheme.update(inputs)
+        seen = {scheme: self._tokens(t) for scheme, t in inputs.items()}
+        del inputs
+        # 4. the weights: GPTQ on the group's shared Hessian, or min-max
+        biases = {name: m.bias for name, m in self.modules.items()}
+        linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
+                                   group.row_parallel, recipe, self.prefix)
+        for name, qlin in linears.items():
+            module = self.modules[name]
+            module.weight.data = qlin.dequantized().to(module.weight.dtype)
+            self.results[f"{self.prefix}.{name}"] = qlin
+        del seen, linears
+        memory.trim()
+        return x
+
+
+_KV_HOOK_ATTR = "_ascend_quant_kv_hook"
+
+
+def _dispatch_kv_hook(module, key, value):
+    """The model-wide attention hook: call the hook of this attention module, if any."""
+    hook = getattr(module, _KV_HOOK_ATTR, None)
+    return hook(module, key, value) if hook is not None else None
+
+
+class _KVQuantizer:
+    """One attention module's C8 hook: chooses the K/V scales on the first post-RoPE K/V it
+    sees and fake-quantizes them."""
+
+    def __init__(self, method: str, valid: torch.Tensor):
+        self.method, self.valid = method, valid
+        self.k_obs, self.v_obs = KVObserver(), KVObserver()
+        self.k_scale = self.v_scale = None
+
+    def hook(self, module, key, value):
+        if self.k_scale is None:
+            self.k_obs.update(key, self.valid)
+            self.v_obs.update(value, self.valid)
+            self.k_scale, self.v_scale = self.k_obs.scale(self.method), self.v_obs.scale(self.method)
+            self.k_obs.release()
+            self.v_obs.release()
+        return fake_quant_kv(key, self.k_scale), fake_quant_kv(value, self.v_scale)
+
+
+class _ObserveOnlyKV(_KVQuantizer):
+    """K/V observed but passed on unquantized (msModelSlim's calibration pass does this)."""
+
+    def hook(self, module, key, value):
+        super().hook(module, key, value)
+        return key, value
+
+
+def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
+    """Run a layer again with every static range final, observing K/V only."""
+    handles = []
+    for name, qlin in results.items():
+        if name.startswith(prefix + "."):
+            final = QuantizedLinear(qlin.scheme, qlin.q, qlin.scale, None,
+                                    input_scale=qlin.input_scale, input_offset=qlin.input_offset)
+            module = layer.get_submodule(name[len(prefix) + 1:])
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, final=final: (_fake_quant_activation(args[0], final.scheme, final),)))
+    kvq = _ObserveOnlyKV(recipe.kv_cache.method, valid)
+    setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+    try:
+        out = layer(x, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        delattr(attention, _KV_HOOK_ATTR)
+    return (out[0] if isinstance(out, tuple) else out), kvq
+
+
+# ---------------------------------------------------------------------- the layers
+
+@torch.no_grad()
+def capture_layer_inputs(model, spec: ArchSpec, samples: torch.Tensor,
+                         position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Run the model up to its first decoder layer: (hidden states [N, L, H], layer kwargs).
+    `position_ids` that restart inside a row make transformers mask each sample off from the
+    others (samples sharing a row)."""
+    layer0 = spec.layers(model)[0]
+    captured: dict = {}
+
+    def grab(module, args, kwargs):
+        captured["x"] = args[0] if args else kwargs.pop("hidden_states")
+        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _StopForward
+
+    handle = layer0.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(input_ids=samples, position_ids=position_ids, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    return captured["x"], captured["kwargs"]
+
+
+@torch.no_grad()
+def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
+                   valid: torch.Tensor | None = None, release_weights: bool = False,
+                   position_ids: torch.Tensor | None = None, stream=None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
+    """Quantize `model` in place (fake-quant weights, smoothed norms) layer by layer.
+
+    `valid` [N, L] marks real tokens (False: right padding, excluded from every statistic).
+    With `release_weights` each quantized Linear's float weight is dropped once its layer is
+    done (the int8 copy is all the checkpoint needs): memory falls as calibration proceeds
+    instead of holding float and quantized weights side by side. With a `stream`
+    (calibration/streaming.py) each layer's float weights are read just before it runs; the
+    embeddings and head are dropped once the first layer's input is captured, and every
+    float tensor a layer leaves unchanged once the layer is done: they stay on the meta
+    device and the writer reads them from the source files (`checkpoint_tensors`).
+    `position_ids` restarting inside a row separate samples that share it.
+    Returns the quantized Linears by module name, the C8 scales by attention module name
+    (k_scale, v_scale) and a report per layer.
+    """
+    spec = spec_for_model(model)
+    install_attention_hook(model, _dispatch_kv_hook)
+    x, kwargs = capture_layer_inputs(model, spec, samples, position_ids)
+    if stream is not None:       # embeddings and head are not needed again until the checkpoint is written
+        stream.release_outer()
+    if valid is None:
+        valid = torch.ones(samples.shape, dtype=torch.bool)
+    valid = valid.to(x.device)
+    results: dict[str, QuantizedLinear] = {}
+    kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    reports: list[LayerReport] = []
+    layers = spec.layers(model)
+    for i, layer in enumerate(layers):
+        start = time.perf_counter()
+        if stream is not None:              # streamed: this layer's float weights arrive now
+            stream.load_layer(i)
+        prefix = f"{spec.layers_path}.{i}"
+        groups = [_GroupHook(layer, g, prefix, recipe, results, valid) for g in spec.groups]
+        handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
+        kvq = None
+        attention = layer.get_submodule(spec.attention)
+        running = recipe.activations.observer == "running"
+        if recipe.kv_cache and not running:
+            kvq = _KVQuantizer(recipe.kv_cache.method, valid)
+            setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+        x_in = x
+        try:
+            with lean_mlp(layer, spec):
+                out = layer(x, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            if kvq is not None:
+                delattr(attention, _KV_HOOK_ATTR)
+        x = out[0] if isinstance(out, tuple) else out
+        if running and recipe.kv_cache:
+            # msModelSlim's dynamic_cache unit: a second pass with the final ranges, observing K/V
+            x, kvq = _final_pass(layer, attention, x_in, kwargs, results, prefix, recipe, valid)
+        if not _all_finite(x):
+            raise CalibrationError(f"NaN or Inf in the output of {prefix} after quantization")
+        if kvq is not None:
+            kv_scales[prefix] = (kvq.k_scale, kvq.v_scale)
+        if release_weights:
+            for name in results:
+                if name.startswith(prefix + "."):
+                    layer.get_submodule(name[len(prefix) + 1:]).weight = torch.nn.Parameter(
+                        torch.empty(0), requires_grad=False)
+        if stream is not None:               # what the layer left as it was is read again when writing
+            touched = set().union(*(gq.touched for gq in groups))
+            stream.release([f"{prefix}.{n}" for n, _ in layer.named_parameters()
+                            if n.rpartition(".")[0] not in touched and f"{prefix}.{n.rpartition('.')[0]}" not in results])
+        memory.trim()                       # this layer's temporaries, back to the system
+        report = _layer_report(i, time.perf_counter() - start, groups, results, prefix)
+        reports.append(report)
+        if progress is not None:
+            progress(report)
+    return results, kv_scales, reports
+
+
+def _layer_report(index: int, seconds: float, groups: list[_GroupHook], results: dict[str, QuantizedLinear],
+                  prefix: str) -> LayerReport:
+    report = LayerReport(index, seconds)
+    for gq in groups:
+        for name, scheme in gq.schemes.items():
+            report.schemes[name] = scheme
+            if scheme != "FLOAT":
+                report.errors[name] = results[f"{prefix}.{name}"].error
+        if gq.smoothed:
+            report.alphas[gq.group.name] = gq.alpha
+    return report
+
+
+def format_reports(reports: list[LayerReport]) -> str:
+    """The end-of-run summary: per layer, the schemes and the relative output error per Linear."""
+    names = list(reports[0].schemes) if reports else []
+    short = [n.rpartition(".")[2] for n in names]
+    lines = [f"{'layer':>5}  {'seconds':>7}  " + "  ".join(f"{s:>9}" for s in short)]
+    for r in reports:
+        cells = []
+        for n in names:
+            cells.append(f"{'float':>9}" if r.schemes[n] == "FLOAT" else f"{r.errors.get(n, 0.0):>9.4f}")
+        lines.append(f"{r.index:>5}  {r.seconds:>7.2f}  " + "  ".join(cells))
+    schemes = sorted({s for r in reports for s in r.schemes.values()})
+    lines.append(f"(relative output error per Linear on calibration tokens; schemes: {', '.join(schemes)})")
+    return "\n".join(lines)
