@@ -77,7 +77,7 @@ def model_card(folder: str | Path, repo_id: str | None = None):
     recipe = (folder / RECIPE_NAME).read_text() if (folder / RECIPE_NAME).is_file() else None
     calib = _read_json(folder / CALIBRATION_NAME) or {}
     base = {**(ckpt.meta.get("metadata") or {}), **calib}.get("base_model")
-    name = repo_id or (f"{str(base).rpartition('/')[2]}-{ckpt.meta.get('model_quant_type', 'FLOAT')}"
+    name = repo_id or (f"{str(base).rpartition('/')[2]}-{ckpt.meta.get('model_quant_type', FLOAT.name)}"
                        if base else folder.name)
     return render_card(ckpt.description, ckpt.meta, calib, recipe, _read_json(folder / EVAL_NAME), name)
 

@@ -25,7 +25,7 @@ import torch
 import vllm_ascend_peer as peer
 from ascend_quant import numerics
 from ascend_quant.calibration import job, recipe as recipes
-from ascend_quant.calibration.quantized import QuantizedLinear
+from ascend_quant.schemes import QuantizedLinear, checkpoint_entries
 from ascend_quant.formats.ascend import DESCRIPTION_NAME, read_checkpoint, write_checkpoint
 from ascend_quant.formats.convert import convert
 from ascend_quant.arch import DEFAULT as LLAMA_SPEC
@@ -86,7 +86,7 @@ def our_linear(scheme: str, dtype: str, group: int, row: bool) -> QuantizedLinea
 def write_case(folder: Path, scheme: str, dtype: str, group: int, row: bool) -> Path:
     """Our writer's checkpoint of one Linear `linear`, exported as the calibrator exports."""
     tensors, types = {}, {}
-    for name, (t, kind) in our_linear(scheme, dtype, group, row).tensors("linear", DTYPES[dtype]).items():
+    for name, (t, kind) in checkpoint_entries(our_linear(scheme, dtype, group, row), "linear", DTYPES[dtype]).items():
         tensors[name], types[name] = t, kind
     return write_checkpoint(folder, tensors, types, group_size=group)
 

@@ -19,10 +19,9 @@ from ascend_quant import numerics
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.gptq import gptq_quantize, hessian
 from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
-from ascend_quant.calibration.quantized import QuantizedLinear, _fake_quant_activation
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import search_alpha, smoothing_factors
-from ascend_quant.schemes import SCHEMES
+from ascend_quant.schemes import SCHEMES, QuantizedLinear
 
 # Tokens used for the per-Linear error report (a fixed subsample keeps it cheap).
 ERROR_TOKENS = 256
@@ -79,7 +78,7 @@ def choose_smoothing(tokens: torch.Tensor, weights: dict[str, torch.Tensor], qua
         return alpha, smoothing_factors(act_absmax, list(weights.values()), alpha)
     scheme = next(s for s in quantized.values() if SCHEMES[s].activation_bits is not None)
     info = SCHEMES[scheme]
-    gs = recipe.group_size if info.weight_bits == 4 else 0
+    gs = info.group_size_for(recipe.group_size)
 
     def quantize_input(x):
         if info.activation_mode == "dynamic":
@@ -140,8 +139,8 @@ def fake_quantized_inputs(x: torch.Tensor, subsample: torch.Tensor, quantized: d
     for scheme in dict.fromkeys(quantized.values()):
         probe = QuantizedLinear(scheme, torch.empty(0), torch.empty(0), None,
                                 input_scale=qparams.input_scale, input_offset=qparams.input_offset)
-        sub_inputs[scheme] = _fake_quant_activation(subsample, scheme, probe)
-        inputs[scheme] = _fake_quant_activation(x, scheme, probe, in_place=in_place)
+        sub_inputs[scheme] = SCHEMES[scheme].fake_quant_input(subsample, probe)
+        inputs[scheme] = SCHEMES[scheme].fake_quant_input(x, probe, in_place=in_place)
     return inputs, sub_inputs
 
 
@@ -153,17 +152,16 @@ def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str) 
     info = SCHEMES[scheme]
     method = recipe.method_for(f"{prefix}.{name}")
     k = w.shape[1]
-    gs = recipe.group_size if info.weight_bits == 4 or (scheme == "W8A16" and recipe.group_size) else 0
+    gs = info.group_size_for(recipe.group_size)
     if gs and k % gs:
         raise CalibrationError(
             f"{prefix}.{name}: in-features {k} are not divisible by --group-size {gs}; "
             f"use a group size that divides {k} (e.g. 64 or 32)")
-    s1 = s2 = fixed = None
-    if scheme == "W4A8_DYNAMIC" and gs > 0:                     # two-stage int4 scales
-        s1 = numerics.absmax_scale(w.abs().amax(-1, keepdim=True), numerics.TWO_STAGE_INT8_BOUND)
-        group_scale = mse_weight_scale(w, 4, gs) if method == "gptq" else numerics.weight_scale(w, 4, gs)
-        s2 = torch.clamp(torch.round(group_scale / s1), 1.0, 127.0)
-        fixed = s1 * s2
+    bits = info.weight_bits
+    two_stage = info.fixed_scales(w, gs, lambda: mse_weight_scale(w, bits, gs) if method == "gptq"
+                                  else numerics.weight_scale(w, bits, gs))
+    s1, s2 = two_stage or (None, None)
+    fixed = None if two_stage is None else s1 * s2
     return dict(scheme=scheme, method=method, w=w, gs=gs, s1=s1, s2=s2, fixed=fixed)
 
 

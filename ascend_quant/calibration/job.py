@@ -14,10 +14,9 @@ import torch
 
 from ascend_quant.arch import spec_for_model
 from ascend_quant.calibration import CalibrationError
-from ascend_quant.calibration.quantized import QuantizedLinear
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.runner import LayerReport, quantize_model
-from ascend_quant.schemes import SCHEMES
+from ascend_quant.schemes import FLOAT, SCHEMES, QuantizedLinear, checkpoint_entries, kv_entries
 
 
 def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
@@ -30,7 +29,7 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
     for prefix, qlin in results.items():
-        for name, (t, kind) in qlin.tensors(prefix, model_dtype).items():
+        for name, (t, kind) in checkpoint_entries(qlin, prefix, model_dtype).items():
             tensors[name], types[name] = t, kind
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, param in model.state_dict().items():
@@ -39,13 +38,11 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
             continue
         dtype = _float_dtype(model_dtype)
         tensors[name] = torch.empty(param.shape, dtype=dtype, device="meta") if param.is_meta else param.detach().to(dtype)
-        types[name] = "FLOAT"
+        types[name] = FLOAT.name
     for layer_prefix, (k_scale, v_scale) in kv_scales.items():      # C8 scales sit on the K/V projections
         for proj, scale in zip(spec.kv_projections, (k_scale, v_scale)):
-            name = f"{layer_prefix}.{proj}"
-            tensors[f"{name}.kv_cache_scale"] = scale.float()
-            tensors[f"{name}.kv_cache_offset"] = torch.zeros_like(scale, dtype=torch.float32)
-            types[f"{name}.kv_cache_scale"] = types[f"{name}.kv_cache_offset"] = "C8"
+            for name, (t, kind) in kv_entries(f"{layer_prefix}.{proj}", scale).items():
+                tensors[name], types[name] = t, kind
     return tensors, types
 
 
@@ -203,7 +200,7 @@ def _dataset_name(dataset: str | None) -> str:
 
 
 def group_size_for(recipe: Recipe, results: dict[str, QuantizedLinear]) -> int:
-    return recipe.group_size if any(SCHEMES[q.scheme].weight_bits == 4 for q in results.values()) else 0
+    return recipe.group_size if any(SCHEMES[q.scheme].packed for q in results.values()) else 0
 
 
 def source_identity(model_id: str, local: Path) -> tuple[str | None, str | None]:

@@ -26,9 +26,9 @@ from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_smoothing, error_sample, fake_quantized_inputs,
                                             observe_activations, quantize_linears, smooths)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
-from ascend_quant.calibration.quantized import QuantizedLinear, _fake_quant_activation
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import apply_smoothing
+from ascend_quant.schemes import SCHEMES, QuantizedLinear, is_float
 
 
 class _StopForward(Exception):
@@ -101,10 +101,10 @@ class _GroupHook:
         one range), so it is computed once per scheme."""
         name = next(n for n, m in self.modules.items() if m is module)
         scheme = self.schemes[name]
-        if scheme == "FLOAT":
+        if is_float(scheme):
             return x
         if scheme not in self.seen_by_scheme:
-            self.seen_by_scheme[scheme] = _fake_quant_activation(x, scheme, self.results[f"{self.prefix}.{name}"])
+            self.seen_by_scheme[scheme] = SCHEMES[scheme].fake_quant_input(x, self.results[f"{self.prefix}.{name}"])
         return self.seen_by_scheme[scheme]
 
     @torch.no_grad()
@@ -112,7 +112,7 @@ class _GroupHook:
         """Run the group step on the group's input x [B, L, k]; returns x as the members
         receive it (smoothed; fake-quantized too where all of them share one version)."""
         recipe, group = self.recipe, self.group
-        quantized = {n: s for n, s in self.schemes.items() if s != "FLOAT"}
+        quantized = {n: s for n, s in self.schemes.items() if not is_float(s)}
         if not quantized:
             memory.trim()
             return x
@@ -210,7 +210,7 @@ def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
                                     input_scale=qlin.input_scale, input_offset=qlin.input_offset)
             module = layer.get_submodule(name[len(prefix) + 1:])
             handles.append(module.register_forward_pre_hook(
-                lambda m, args, final=final: (_fake_quant_activation(args[0], final.scheme, final),)))
+                lambda m, args, final=final: (SCHEMES[final.scheme].fake_quant_input(args[0], final),)))
     kvq = _ObserveOnlyKV(recipe.kv_cache.method, valid)
     setattr(attention, _KV_HOOK_ATTR, kvq.hook)
     try:
@@ -331,7 +331,7 @@ def _layer_report(index: int, seconds: float, groups: list[_GroupHook], results:
     for gq in groups:
         for name, scheme in gq.schemes.items():
             report.schemes[name] = scheme
-            if scheme != "FLOAT":
+            if not is_float(scheme):
                 report.errors[name] = results[f"{prefix}.{name}"].error
         if gq.smoothed:
             report.alphas[gq.group.name] = gq.alpha
@@ -346,7 +346,7 @@ def format_reports(reports: list[LayerReport]) -> str:
     for r in reports:
         cells = []
         for n in names:
-            cells.append(f"{'float':>9}" if r.schemes[n] == "FLOAT" else f"{r.errors.get(n, 0.0):>9.4f}")
+            cells.append(f"{'float':>9}" if is_float(r.schemes[n]) else f"{r.errors.get(n, 0.0):>9.4f}")
         lines.append(f"{r.index:>5}  {r.seconds:>7.2f}  " + "  ".join(cells))
     schemes = sorted({s for r in reports for s in r.schemes.values()})
     lines.append(f"(relative output error per Linear on calibration tokens; schemes: {', '.join(schemes)})")

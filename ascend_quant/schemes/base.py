@@ -207,11 +207,11 @@ class Scheme:
         """x as the scheme's Linears compute with it (quantized and dequantized)."""
         return x
 
-    def weight_scales(self, w: torch.Tensor, group_size: int, *, mse: bool
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(s1, s2) when the scheme fixes its weight scales before rounding (two-stage int4);
-        (None, None): the quantizer chooses them."""
-        return None, None
+    def fixed_scales(self, w: torch.Tensor, group_size: int, group_scale: Callable[[], torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(s1, s2) when the scheme fixes its weight scales before rounding (two-stage int4;
+        `group_scale()` is the observer's per-group scale); None: the quantizer chooses them."""
+        return None
 
     # ------------------------------------------------------------------ serving
     def prepare(self, t: dict[str, torch.Tensor], backend, dtype: torch.dtype = torch.float32,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from ascend_quant import numerics
 from ascend_quant.runtime import kernels
 from ascend_quant.runtime.vllm import ops
 from ascend_quant.schemes import FLOAT, LINEAR_SCHEMES, SCHEMES, W4A8_GROUP_TENSORS, PreparedLinear, SchemeError, TensorSpec
