@@ -29,7 +29,7 @@ from ascend_quant.calibration.observers import RangeObserver, mse_activation_ran
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import apply_smoothing, search_alpha, smoothing_factors
 from ascend_quant.calibration.kv import fake_quant_kv
-from ascend_quant.arch import ArchSpec, LinearGroup, lean_mlp, spec_for_model
+from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, LinearGroup, lean_mlp, spec_for_model
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.schemes import SCHEMES
 
@@ -495,7 +495,10 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         groups = [_GroupQuantizer(layer, g, prefix, recipe, results, valid) for g in spec.groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
-        attention = layer.get_submodule(spec.attention)
+        if recipe.kv_cache and spec.missing_modules(layer, [spec.attention]):
+            raise CalibrationError(f"{spec.name}: no attention module {spec.attention!r} for the int8 KV cache "
+                                   "(see the spec's notes)")
+        attention = layer.get_submodule(spec.attention) if recipe.kv_cache else None
         running = recipe.activations.observer == "running"
         if recipe.kv_cache and not running:
             kvq = _KVQuantizer(recipe.kv_cache.method, valid)
@@ -706,13 +709,15 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             bar.close()
     tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
     config = config_with_quant_method(read_json(local / "config.json"))
+    if spec.discovered:               # the checkpoint tools and vLLM read it back (spec_for_config)
+        config[SAVED_SPEC_KEY] = spec.to_dict()
     base_model, license_ = source_identity(model_id, local)
     meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
             "num_samples": n_samples, "seq_len": int(seq_len),
             "dataset": _dataset_name(dataset), "seed": seed}
     files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
              "ascend_quant_calibration.json": json.dumps(
-                 {**meta, "seconds": round(time.perf_counter() - start, 2),
+                 {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                               "errors": r.errors, "smoothquant_alphas": r.alphas} for r in reports]}, indent=2)}
     files.update(extra_files or {})

@@ -81,11 +81,13 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ascend_quant.arch import spec_for_model
+        from ascend_quant.arch import SPECS, spec_for_model
 
         self.folder, self.device = Path(folder), device
         self.files = WeightFiles(self.folder)
         config = AutoConfig.from_pretrained(self.folder)
+        if getattr(config, "model_type", None) not in SPECS:
+            raise StreamingUnavailable("no explicit spec: discovery probes the loaded model")
         with init_empty_weights(include_buffers=False):      # parameters on meta, buffers real
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.eval()
