@@ -78,16 +78,15 @@ def test_wrong_norm_kind_would_be_caught_by_the_fold_check():
     """The classification is not the only guard: Gemma's (1+w) norm folded as a plain norm
     changes the layer output far beyond the tolerance the discovered fold keeps."""
     from ascend_quant.arch.discovery import _fold_error, _Probe
-    from ascend_quant.calibration.smoothquant import apply_smoothing
     model = _model("gemma3_text")
     layer = model.model.layers[0]
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     probe = _Probe(model, layer)
     base = probe.run()
     group = SPECS["gemma3_text"].groups[0]
-    assert _fold_error(probe, layer, state, group, base, apply_smoothing) <= TOLERANCE
+    assert _fold_error(probe, state, group, base) <= TOLERANCE
     wrong = type(group)(group.name, group.linears, group.producer, "rmsnorm")
-    assert _fold_error(probe, layer, state, wrong, base, apply_smoothing) > 1e-3
+    assert _fold_error(probe, state, wrong, base) > 1e-3
 
 
 def _tapped(model):
@@ -126,12 +125,33 @@ def test_no_decoder_layers_is_one_clear_error():
         spec_for_model(model)
 
 
-# ------------------------------------------------------------------------ a family without a spec
+# ------------------------------------------------------------------------ families without a spec
 
-@pytest.fixture(scope="module")
-def granite(tmp_path_factory):
-    d = tmp_path_factory.mktemp("granite") / "float"
-    model = _model("granite")
+def test_layernorm_folds_are_found_and_keep_the_logits():
+    """StableLM's LayerNorms (mean subtracted, with bias) are `layernorm` producers; folding a
+    random s into every discovered producer leaves the logits unchanged to fp32 noise."""
+    from ascend_quant.calibration.smoothquant import apply_smoothing
+    model = _model("stablelm")
+    spec = spec_for_model(model)
+    kinds = {g.name: g.producer_kind for g in spec.groups}
+    assert kinds == {"qkv": "layernorm", "o": None, "gate_up": "layernorm", "down": "linear_rows"}, spec.notes
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        want = model(ids).logits
+        for layer in spec.layers(model):
+            for group in spec.groups:
+                if group.producer:
+                    consumers = [layer.get_submodule(n) for n in group.linears]
+                    s = torch.exp(torch.randn(consumers[0].in_features, generator=g) * 0.5)
+                    apply_smoothing(layer.get_submodule(group.producer), consumers, s, group.producer_kind)
+        got = model(ids).logits
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
+
+
+def _saved(model_type: str, root):
+    d = root / model_type
+    model = _model(model_type)
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)       # decisive greedy choices (see runtime_helpers)
     model.save_pretrained(d)
@@ -139,6 +159,36 @@ def granite(tmp_path_factory):
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
             shutil.copy(f, d / f.name)
     return d
+
+
+@pytest.mark.parametrize("model_type", ["stablelm", "olmo2"])
+def test_family_without_spec_calibrates_and_tracks_float(model_type, tmp_path):
+    """StableLM (LayerNorm folds) and OLMo-2 (q/k/v and gate/up read the residual stream: no
+    producer, not sole consumers) calibrate W8A8_DYNAMIC with their discovered specs; the
+    smoothed groups are exactly those with a producer; verify ok; reference close to float."""
+    from transformers import AutoModelForCausalLM
+    src = _saved(model_type, tmp_path)
+    out = tmp_path / "w8a8"
+    pipeline.calibrate(str(src), out, recipes.preset("w8a8-dynamic"), str(FIXTURES / "calib.jsonl"),
+                       num_samples=8, seq_len=64, show_progress=False)
+    assert verify(out).ok
+    spec = spec_for_config(json.loads((out / "config.json").read_text()))
+    calib = json.loads((out / "ascend_quant_calibration.json").read_text())
+    assert all(set(layer["smoothquant_alphas"]) == {g.name for g in spec.groups if g.producer}
+               for layer in calib["layers"])
+    ids = torch.randint(3, 512, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
+        got = load_reference_model(out)(ids).logits
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 0.1, rel
+
+
+# ------------------------------------------------------------------------ Granite, served by vLLM
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    return _saved("granite", tmp_path_factory.mktemp("granite"))
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +225,15 @@ def test_granite_calibrates_with_discovery_verifies_and_tracks_float(granite, gr
 @pytest.mark.vllm
 def test_vllm_serves_discovered_granite_like_the_reference(granite_w8a8):
     """vLLM with our plugin on the discovered family: greedy tokens and log-probs of the
-    reference forward (C8 simulated)."""
+    reference forward (C8 simulated), the plugin reading the spec saved in config.json."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from test_vllm_runtime import LOGPROB_TOL, MAX_TOKENS, PROMPTS, reference_logprobs, run_engine
+
+    from ascend_quant.runtime.vllm.config import AscendQuantConfig
+    config = AscendQuantConfig()
+    config.maybe_update_config(str(granite_w8a8))
+    assert config.spec.discovered and len(config.c8_layers()) == 2
 
     for prompt, (tokens, logprobs) in zip(PROMPTS, run_engine(granite_w8a8)):
         assert len(tokens) == MAX_TOKENS

@@ -35,7 +35,13 @@ def spec_for_model(model) -> ArchSpec:
         spec = getattr(model, _CACHE_ATTR, None)
         if spec is None:
             from ascend_quant.arch.discovery import discover
-            spec = discover(model)
+            try:
+                spec = discover(model)
+            except UnsupportedModelError as e:
+                archs = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
+                raise UnsupportedModelError(f"architecture {model_type!r} ({archs}) has no spec in ascend_quant.arch "
+                                            f"and discovery failed: {e} (with a spec: {', '.join(sorted(SPECS))})"
+                                            ) from None
             setattr(model, _CACHE_ATTR, spec)
         return spec
     missing = spec.missing_modules(spec.layers(model)[0])

@@ -7,9 +7,10 @@ from the model's own forward) with hooks on all its modules, and the spec is rea
 the hooks see, never off class or module names:
 
 * groups: Linears that receive the identical input tensor (same storage, shape and stride);
-* producer: the module whose output is that tensor; its norm kind from a fit of its output
-  against x̂ = x / rms(x): y = x̂ · w is `rmsnorm`, y = x̂ · (1 + w) `rmsnorm_offset`; a mean
-  subtraction or a bias (LayerNorm) is reported and not folded;
+* producer: the module whose output is that tensor; its norm kind from a per-channel fit of
+  its output against x̂ = x / rms(x) (or x - mean, normalised): y = x̂ · w is `rmsnorm`,
+  y = x̂ · (1 + w) `rmsnorm_offset`, y = x̂ · w + b with its own bias `layernorm`; anything
+  else is reported and not folded;
 * Linear producers: each Linear's output channels are scaled by random factors in turn; a
   group whose input channels then scale by exactly one chunk of those factors reads that
   chunk of the Linear's rows (down_proj reads up_proj, or the up half of a fused gate_up);
@@ -27,6 +28,7 @@ producer (calibration's own `apply_smoothing`) must leave the layer output uncha
 place once its first member has it; the layer output must not change. vLLM's fused names
 (`vllm_fused`) cannot be probed: they come from the vLLM model class's
 `packed_modules_mapping` when vLLM is installed; `vllm_attention` and `mlp` keep their defaults.
+The probe runs in the model's dtype: call it on the fp32 model calibration loads.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def find_layers(model: torch.nn.Module) -> str:
     named = [(n, m) for n, m in lists if type(m[0]).__name__ in wanted]
     found = named or [(n, m) for n, m in lists if any(isinstance(x, torch.nn.Linear) for x in m[0].modules())]
     if not found:
-        raise UnsupportedModelError(f"{type(model).__name__}: no explicit spec and no decoder-layer list found")
+        raise UnsupportedModelError("no decoder-layer list found")
     return max(found, key=lambda c: len(c[1]))[0]
 
 
@@ -84,11 +86,11 @@ class _Probe:
         self.modules = {n: m for n, m in layer.named_modules() if n}
         self.linears = {n: m for n, m in self.modules.items() if isinstance(m, torch.nn.Linear)}
         if not self.linears:
-            raise UnsupportedModelError(f"{type(model).__name__}: decoder layer has no Linear")
-        g = torch.Generator().manual_seed(seed)
-        self.gen = g
-        vocab = model.get_input_embeddings().weight.shape[0]
-        ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=g)
+            raise UnsupportedModelError("its decoder layer has no torch Linear")
+        self.gen = torch.Generator().manual_seed(seed)
+        embeddings = model.get_input_embeddings().weight
+        self.device = embeddings.device
+        ids = torch.randint(0, embeddings.shape[0], (1, PROBE_TOKENS), generator=self.gen)
         got = {}
 
         def grab(module, args, kwargs):
@@ -97,18 +99,19 @@ class _Probe:
 
         h = layer.register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            model(input_ids=ids.to(model.get_input_embeddings().weight.device), use_cache=False)
+            model(input_ids=ids.to(self.device), use_cache=False)
         except _Stop:
             pass
         finally:
             h.remove()
         if not got:
-            raise UnsupportedModelError(f"{type(model).__name__}: the probe forward never reached decoder layer 0")
+            raise UnsupportedModelError("the probe forward never reached decoder layer 0")
         self.args, self.kwargs = got["args"], got["kwargs"]
         self.kv: list[tuple[str, torch.Tensor, torch.Tensor]] = []     # (attention module, key, value)
 
     def scales(self, n: int) -> torch.Tensor:
-        return torch.exp(torch.randn(n, generator=self.gen) * 0.5)
+        """n random positive factors exp(N(0, 0.5)) on the model's device."""
+        return torch.exp(torch.randn(n, generator=self.gen) * 0.5).to(self.device)
 
     def run(self, pre: dict | None = None, post: dict | None = None, perturb_input: torch.Tensor | None = None):
         """The layer output with forward pre-hooks `pre` / hooks `post` ({module name: fn})."""
@@ -196,23 +199,24 @@ def _channel_map(x: torch.Tensor, x2: torch.Tensor, c: torch.Tensor) -> bool:
     r = (x * x2).sum(0) / x.pow(2).sum(0).clamp(min=1e-30)
     if _rel(x * r, x2) > _FIT_TOLERANCE:
         return False
-    return bool(((r.unsqueeze(1) - c.double().unsqueeze(0)).abs().amin(1) <= 1e-6 * r.abs()).all())
+    return bool(((r.unsqueeze(1) - c.to(r).unsqueeze(0)).abs().amin(1) <= 1e-6 * r.abs()).all())
 
 
-def _vllm_packed(model) -> dict[str, list[str]] | None:
-    """vLLM's `packed_modules_mapping` for the model's architecture; None without vLLM's class."""
+def _vllm_packed(model) -> tuple[str | None, dict[str, list[str]]]:
+    """(vLLM class name, its `packed_modules_mapping`) for the model's architecture; (None, {})
+    without vLLM or a vLLM class for it."""
     try:
         from vllm.model_executor.models import ModelRegistry
     except Exception:
-        return None
+        return None, {}
     for arch in getattr(model.config, "architectures", None) or [type(model).__name__]:
         try:
             cls = ModelRegistry._try_load_model_cls(arch)
         except Exception:
             cls = None
         if cls is not None:
-            return {k: list(v) for k, v in (getattr(cls, "packed_modules_mapping", None) or {}).items()}
-    return None
+            return arch, {k: list(v) for k, v in (getattr(cls, "packed_modules_mapping", None) or {}).items()}
+    return None, {}
 
 
 @torch.no_grad()
@@ -224,7 +228,7 @@ def discover(model: torch.nn.Module) -> ArchSpec:
     layers = model.get_submodule(path)
     layer = layers[0]
     if any(p.is_meta for p in layer.parameters()):
-        raise UnsupportedModelError(f"{type(model).__name__}: discovery needs the weights (layer 0 is on meta)")
+        raise UnsupportedModelError("it needs the weights (layer 0 is on the meta device)")
     model_type = getattr(model.config, "model_type", None) or type(model).__name__
     probe = _Probe(model, layer)
     names = {m: n for n, m in probe.modules.items()}
@@ -236,7 +240,7 @@ def discover(model: torch.nn.Module) -> ArchSpec:
         found.report.insert(0, f"layers: {path} ({len(layers)} x {type(layer).__name__}); layer 0 probed on "
                                f"{PROBE_TOKENS} random tokens in fp32")
         kv = found.kv_projections()
-        packed = _vllm_packed(model)
+        vllm_class, packed = _vllm_packed(model)
         groups = found.groups(packed)
     finally:
         model.set_attn_implementation(previous)
@@ -244,9 +248,10 @@ def discover(model: torch.nn.Module) -> ArchSpec:
     report = found.report
     report.append("row-parallel: " + (", ".join(g.name for g in groups if g.row_parallel) or "none")
                   + " (inputs reached only through the layer's Linears)")
-    report.append("vLLM fused names: " + ("from the vLLM model class's packed_modules_mapping" if packed is not None
-                                          else "vLLM has no class for this architecture: none"))
-    return ArchSpec(name=f"discovered:{model_type}", model_types=(model_type,), groups=tuple(groups),
+    fused = ", ".join(f"{g.vllm_fused} ({', '.join(g.linears)})" for g in groups if g.vllm_fused) or "none"
+    report.append(f"vLLM fused names from {vllm_class}.packed_modules_mapping: {fused}" if vllm_class
+                  else "vLLM fused names: vLLM has no class for this architecture: none")
+    return ArchSpec(name=model_type, model_types=(model_type,), groups=tuple(groups),
                     layers_path=path, kv_projections=kv, notes=tuple(report), discovered=True)
 
 
@@ -288,10 +293,10 @@ class _Findings:
                                 and n_out // k <= 4 for i in range(n_out // k)]
             for i, count in parts:
                 rows = slice(i * n_out // count, (i + 1) * n_out // count)
-                c = torch.ones(n_out)
+                c = torch.ones(n_out, device=self.probe.device)
                 c[rows] = self.probe.scales(n_out // count)
                 seen, pre = self._capture_inputs()
-                self.probe.run(pre, {lin: lambda m, a, out, c=c: out * c.to(out.dtype)})
+                self.probe.run(pre, {lin: lambda m, a, out, c=c: out * c.to(out)})
                 if count == 1:
                     self.kv_role[lin] = {r for (_, k0, v0), (_, k1, v1) in zip(self.base_kv, self.probe.kv)
                                          for r, a, b in (("k", k0, k1), ("v", v0, v1)) if not torch.equal(a, b)}
@@ -301,7 +306,7 @@ class _Findings:
                         continue
                     x, x2 = self.feeds[key], seen[key]
                     if not through_v and key not in self.linear_producer and x.shape[-1] == n_out // count \
-                            and _rel(x2.double(), (x * c[rows].to(x.dtype)).double()) <= _FIT_TOLERANCE:
+                            and _rel(x2.double(), (x * c[rows].to(x)).double()) <= _FIT_TOLERANCE:
                         self.linear_producer[key] = (lin, None if count == 1 else (i, count))
                     elif count == 1 and through_v and _channel_map(x, x2, c):
                         self.mapped[key] = lin
@@ -313,7 +318,7 @@ class _Findings:
                  for n in self.probe.linears if n in self.order}
         seen, pre = self._capture_inputs()
         width = self.probe.last_input.shape[-1]
-        self.probe.run(pre, fixed, perturb_input=self.probe.scales(width).to(self.probe.last_input.dtype))
+        self.probe.run(pre, fixed, perturb_input=self.probe.scales(width).to(self.probe.last_input))
         self.row_parallel = {key for key in self.by_key if key in seen and torch.equal(seen[key], self.feeds[key])}
 
     def kv_projections(self) -> tuple[str, str]:
@@ -333,7 +338,7 @@ class _Findings:
                            f"{kv[0]} / {kv[1]} by convention")
         return kv
 
-    def groups(self, packed: dict | None) -> list[LinearGroup]:
+    def groups(self, packed: dict[str, list[str]]) -> list[LinearGroup]:
         out = []
         for key, members in self.by_key.items():
             role = _role(members, self.attention, key in self.row_parallel)
@@ -345,8 +350,6 @@ class _Findings:
 
     def _group(self, role: str, key: tuple, members: list[str]) -> LinearGroup:
         """The group with its producer (kept only if its fold checks) and sole_consumer; reported."""
-        from ascend_quant.calibration.smoothquant import apply_smoothing
-
         lines, said = self.report, ", ".join(members)
         producer = kind = chunk = None
         made = [n for n in self.outputs if self.outputs[n][:1] and _key(self.outputs[n][0]) == key
@@ -371,7 +374,7 @@ class _Findings:
             lines.append(f"{role}: {said}: no module produced its input (a functional result): no producer")
         if producer is not None:
             group = LinearGroup(role, tuple(members), producer, kind, producer_chunk=chunk)
-            err = _fold_error(self.probe, self.probe.layer, self.state, group, self.base, apply_smoothing)
+            err = _fold_error(self.probe, self.state, group, self.base)
             if err <= TOLERANCE:
                 lines.append(f"{role}: {said} <- {producer} ({kind}: {why}); fold checked, layer output "
                              f"changed {err:.1e}")
@@ -413,7 +416,7 @@ def _in_place_safe(probe: _Probe, members: list[str], base: torch.Tensor) -> boo
         x = a[0]
         kept["x"], kept["id"] = x.clone(), id(x)
         try:
-            x.mul_(probe.scales(x.shape[-1]).to(x.dtype))
+            x.mul_(probe.scales(x.shape[-1]).to(x))
         except RuntimeError:         # an expanded or otherwise shared view: not private
             kept["fail"] = True
         return (kept["x"],)
@@ -425,8 +428,12 @@ def _in_place_safe(probe: _Probe, members: list[str], base: torch.Tensor) -> boo
     return "fail" not in kept and _rel(out, base) <= TOLERANCE
 
 
-def _fold_error(probe: _Probe, layer, state, group: LinearGroup, base: torch.Tensor, apply_smoothing) -> float:
-    """Relative change of the layer output after a random fold through `group`'s producer."""
+def _fold_error(probe: _Probe, state: dict, group: LinearGroup, base: torch.Tensor) -> float:
+    """Relative change of the layer output after a random fold through `group`'s producer, with
+    calibration's own fold (`apply_smoothing`); the layer's weights are restored from `state`."""
+    from ascend_quant.calibration.smoothquant import apply_smoothing
+
+    layer = probe.layer
     producer = layer.get_submodule(group.producer)
     consumers = [layer.get_submodule(n) for n in group.linears]
     s = probe.scales(consumers[0].in_features)
@@ -440,12 +447,12 @@ def _fold_error(probe: _Probe, layer, state, group: LinearGroup, base: torch.Ten
     return _rel(out, base)
 
 
-def _vllm_names(members: list[str], packed: dict[str, list[str]] | None) -> tuple[str | None, tuple[str, ...]]:
+def _vllm_names(members: list[str], packed: dict[str, list[str]]) -> tuple[str | None, tuple[str, ...]]:
     """(vllm_fused, on_disk) from vLLM's packed mapping: members q/k/v_proj listed under
     `qkv_proj`, or one member named like the key (fused on disk; its parts if vLLM names them)."""
     parents = {m.rpartition(".")[0] for m in members}
     leaves = [m.rpartition(".")[2] for m in members]
-    for fused, parts in (packed or {}).items():
+    for fused, parts in packed.items():
         if len(parents) == 1 and leaves == parts and len(parts) > 1:
             return fused, ()
         if leaves == [fused]:

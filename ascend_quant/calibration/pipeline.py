@@ -609,6 +609,7 @@ class CalibrationResult:
     num_samples: int
     seq_len: int
     reports: list[LayerReport]
+    spec: ArchSpec | None = None                  # the architecture spec used (discovered: notes say how)
 
 
 @dataclass
@@ -729,7 +730,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             return loaded.stream.files.read([name], _float_dtype(source_dtype))[name]
     write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                      metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
-    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports)
+    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports, spec)
 
 
 def _dataset_name(dataset: str | None) -> str:
