@@ -366,8 +366,8 @@ class _Findings:
             producer, chunk = self.linear_producer[key]
             kind, why = "linear_rows", "rows" if chunk is None else f"rows chunk {chunk[0]} of {chunk[1]}"
         elif key in self.mapped:
-            lines.append(f"{role}: {said}: input channels scale with {self.mapped[key]}'s through the attention "
-                         "(a GQA repeat): not folded (the spec has no channel map)")
+            lines.append(f"{role}: {said}: input channels follow {self.mapped[key]}'s through the attention: "
+                         "no v -> o fold (the spec has no GQA channel map; explicit specs leave o unsmoothed too)")
         elif key == self.layer_input:
             lines.append(f"{role}: {said} read the layer input (the residual stream): no producer")
         else:
