@@ -237,8 +237,9 @@ def discover(model: torch.nn.Module) -> ArchSpec:
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     try:
         found = _Findings(probe, state)
+        dtype = str(probe.last_input.dtype).removeprefix("torch.")
         found.report.insert(0, f"layers: {path} ({len(layers)} x {type(layer).__name__}); layer 0 probed on "
-                               f"{PROBE_TOKENS} random tokens in fp32")
+                               f"{PROBE_TOKENS} random tokens in {dtype}")
         kv = found.kv_projections()
         vllm_class, packed = _vllm_packed(model)
         groups = found.groups(packed)
