@@ -222,6 +222,19 @@ def test_granite_calibrates_with_discovery_verifies_and_tracks_float(granite, gr
     assert rel < 0.1, rel
 
 
+def test_streamed_model_discovers_on_layer_zero_alone(granite):
+    """Layer streaming keeps working without an explicit spec: discovery reads the embeddings
+    and layer 0 only, gives the spec of the whole loaded model, and leaves the layers on meta."""
+    from transformers import AutoModelForCausalLM
+
+    from ascend_quant.calibration.streaming import StreamedModel
+    streamed = StreamedModel(granite)
+    layers = streamed.spec.layers(streamed.model)
+    assert all(p.is_meta for layer in layers for p in layer.parameters())
+    whole = discover(AutoModelForCausalLM.from_pretrained(granite, dtype=torch.float32).eval())
+    assert streamed.spec.groups == whole.groups and streamed.spec.kv_projections == whole.kv_projections
+
+
 @pytest.mark.vllm
 def test_vllm_serves_discovered_granite_like_the_reference(granite_w8a8):
     """vLLM with our plugin on the discovered family: greedy tokens and log-probs of the
