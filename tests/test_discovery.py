@@ -235,6 +235,17 @@ def test_streamed_model_discovers_on_layer_zero_alone(granite):
     assert streamed.spec.groups == whole.groups and streamed.spec.kv_projections == whole.kv_projections
 
 
+def test_unreadable_saved_spec_is_one_line(granite_w8a8, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(granite_w8a8, bad)
+    config = json.loads((bad / "config.json").read_text())
+    del config[SAVED_SPEC_KEY]["groups"][0]["linears"]
+    (bad / "config.json").write_text(json.dumps(config))
+    report = verify(bad)
+    assert not report.ok and any("saved architecture spec is not readable" in p for p in report.problems), \
+        report.problems
+
+
 @pytest.mark.vllm
 def test_vllm_serves_discovered_granite_like_the_reference(granite_w8a8):
     """vLLM with our plugin on the discovered family: greedy tokens and log-probs of the
