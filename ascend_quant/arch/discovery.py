@@ -1,33 +1,28 @@
-"""Architecture discovery: an ArchSpec for a decoder that has no explicit one, found by probing.
+"""Architecture discovery: an ArchSpec for a decoder without an explicit one, found by probing.
 
-    spec = discover(model)        # a float model with its weights; spec.notes is the report
+    spec = discover(model)        # the float model with its weights; spec.notes is the report
 
-Decoder layer 0 stands for every layer. It runs on a few random tokens (its inputs captured
-from the model's own forward) with hooks on all its modules, and the spec is read off what
-the hooks see, never off class or module names:
+Decoder layer 0 stands for every layer: it runs on a few random tokens (inputs captured from
+the model's own forward) with hooks on all its modules, and the spec is read off what the
+hooks see, never off class or module names:
 
-* groups: Linears that receive the identical input tensor (same storage, shape and stride);
-* producer: the module whose output is that tensor; its norm kind from a per-channel fit of
-  its output against x̂ = x / rms(x) (or x - mean, normalised): y = x̂ · w is `rmsnorm`,
-  y = x̂ · (1 + w) `rmsnorm_offset`, y = x̂ · w + b with its own bias `layernorm`; anything
-  else is reported and not folded;
-* Linear producers: each Linear's output channels are scaled by random factors in turn; a
-  group whose input channels then scale by exactly one chunk of those factors reads that
-  chunk of the Linear's rows (down_proj reads up_proj, or the up half of a fused gate_up);
-  a map through the attention function (v -> o) is reported, not folded: the spec has no
-  channel map for the GQA repeat, and the explicit specs leave o_proj unsmoothed too;
-* K / V: the Linears whose perturbation changes the key / value the attention function
-  receives (post-RoPE, through arch/attention.py);
-* row_parallel: the groups whose input no longer changes with the layer input once every
-  Linear of the layer returns fixed outputs (their input is reached only through Linears).
+* group: Linears that receive the identical input tensor (same storage, shape and stride);
+* producer: the module whose output that tensor is; its kind from a per-channel fit of the
+  output against the normalised input: x̂ · w `rmsnorm`, x̂ · (1 + w) `rmsnorm_offset`,
+  x̂ · w + b with its own bias `layernorm`; anything else gets no producer;
+* Linear producer: scaling a Linear's output channels (or one chunk of them) scales a group's
+  input channels exactly (down_proj reads up_proj, or the up half of a fused gate_up); the map
+  through the attention (v -> o) is reported and not folded (the spec has no GQA channel map);
+* K / V: the Linears whose scaling changes the key / value the attention function receives;
+* row_parallel: the groups whose input stops moving with the layer input once every Linear's
+  output is held fixed (it is reached only through the layer's Linears).
 
-Every fold is then checked on the layer in fp32: a random s = exp(N(0, 0.5)) folded into the
-producer (calibration's own `apply_smoothing`) must leave the layer output unchanged within
-`TOLERANCE`; a group that fails gets no producer (no smoothing; rounding and GPTQ still run).
-`sole_consumer` is checked the way calibration uses it: the group's input is overwritten in
-place once its first member has it; the layer output must not change. vLLM's fused names
-(`vllm_fused`) cannot be probed: they come from the vLLM model class's
-`packed_modules_mapping` when vLLM is installed; `vllm_attention` and `mlp` keep their defaults.
+Every fold is checked before use: a random s = exp(N(0, 0.5)) folded with calibration's own
+`apply_smoothing` must leave the layer output within `TOLERANCE`, else the group gets no
+producer (no smoothing; rounding and GPTQ still run). `sole_consumer` is checked as
+calibration uses it: the input overwritten in place once the group has it must not change the
+output. vLLM names cannot be probed: `vllm_fused` comes from the vLLM model class's
+`packed_modules_mapping` when vLLM has one; `vllm_attention` and `mlp` keep their defaults.
 The probe runs in the model's dtype: call it on the fp32 model calibration loads.
 """
 
