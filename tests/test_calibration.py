@@ -575,6 +575,7 @@ def test_unknown_architecture(tmp_path, tiny, calib_jsonl):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512)).save_pretrained(model)
     res = _run(["calibrate", str(model), "-o", str(tmp_path / "q"), "--dataset", calib_jsonl])
     assert res.exit_code == 1 and "architecture 'gpt2'" in res.output and "has no spec" in res.output
+    assert "discovery failed: its decoder layer has no torch Linear" in res.output
     assert cfg["model_type"] == "qwen2"
 
 

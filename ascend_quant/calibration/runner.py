@@ -286,7 +286,10 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         groups = [_GroupHook(layer, g, prefix, recipe, results, valid) for g in spec.groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
-        attention = layer.get_submodule(spec.attention)
+        if recipe.kv_cache and spec.missing_modules(layer, [spec.attention]):
+            raise CalibrationError(f"{spec.name}: no attention module {spec.attention!r} for the int8 KV cache "
+                                   "(see the spec's notes)")
+        attention = layer.get_submodule(spec.attention) if recipe.kv_cache else None
         running = recipe.activations.observer == "running"
         if recipe.kv_cache and not running:
             kvq = _KVQuantizer(recipe.kv_cache.method, valid)

@@ -81,7 +81,8 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ascend_quant.arch import spec_for_model
+        from ascend_quant.arch import SPECS, spec_for_model
+        from ascend_quant.arch.discovery import find_layers
 
         self.folder, self.device = Path(folder), device
         self.files = WeightFiles(self.folder)
@@ -90,7 +91,10 @@ class StreamedModel:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.eval()
         self.model = model
-        self.spec = spec_for_model(model)
+        explicit = getattr(config, "model_type", None) in SPECS
+        # without an explicit spec the layers are found by structure now, the rest is probed
+        # below on the embeddings and layer 0 (discovery needs their weights)
+        layers_path = spec_for_model(model).layers_path if explicit else find_layers(model)
         names = list(model.state_dict())
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         out_emb = model.get_output_embeddings()
@@ -100,13 +104,20 @@ class StreamedModel:
         missing = [n for n in needed if n not in self.files.where]
         if missing:
             raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
-        layers = self.spec.layers_path + "."
+        layers = layers_path + "."
         self.outer_names = [n for n in needed if not n.startswith(layers)]
         self.layer_names: dict[int, list[str]] = defaultdict(list)
         for n in needed:
             if n.startswith(layers):
                 self.layer_names[int(n[len(layers):].split(".", 1)[0])].append(n)
         self.reload_outer()
+        if not explicit:
+            self.load_layer(0)
+            try:
+                spec_for_model(model)             # discovered once, kept with the model
+            finally:
+                self.release(self.layer_names[0])
+        self.spec = spec_for_model(model)
 
     def _set(self, name: str, tensor: torch.Tensor) -> None:
         """Put `tensor` in the model under its state-dict name (parameter or buffer)."""
