@@ -10,7 +10,8 @@ overrides matched with shell-style patterns on the module name:
     activations: {observer: percentile, percentile: 99.99}
     gptq: {damp: 0.01, block_size: 128, act_order: true}
     kv_cache: {dtype: int8, method: mse}
-    ignore: ["lm_head", "*.mlp.down_proj"]       # left in float
+    ignore: ["lm_head"]           # module patterns left in float
+    float_groups: [down]          # Linear groups left in float, by role (qkv, o, gate_up, down)
     overrides:
       - {match: "model.layers.0.*", scheme: w8a8-dynamic}
 
@@ -92,12 +93,15 @@ class Recipe:
     gptq: GPTQ = field(default_factory=GPTQ)
     kv_cache: KVCache | None = None
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    # Linear groups left in float, by the architecture spec's role names (qkv, o, gate_up,
+    # down): the same Linears in every family, whatever their modules are called
+    float_groups: list[str] = field(default_factory=list)
     overrides: list[Override] = field(default_factory=list)
 
     # ------------------------------------------------------------ per-layer resolution
-    def scheme_for(self, module: str) -> str:
-        """The description type for a Linear (FLOAT if ignored)."""
-        if any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
+    def scheme_for(self, module: str, group: str | None = None) -> str:
+        """The description type for a Linear of the spec group `group` (FLOAT if ignored)."""
+        if group in self.float_groups or any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
             return FLOAT.name
         scheme = self.scheme
         for o in self.overrides:
@@ -155,7 +159,7 @@ def _apply(recipe: Recipe, data: dict, where: str) -> None:
             for o in recipe.overrides:
                 if o.scheme:
                     normalize_scheme(o.scheme)
-        elif key in ("method", "group_size", "ignore"):
+        elif key in ("method", "group_size", "ignore", "float_groups"):
             setattr(recipe, key, value)
         else:
             raise RecipeError(f"{where}: unknown key {key!r}")
@@ -216,6 +220,9 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
                       for a in [sq.alpha, *sq.alphas, *sq.group_alpha.values()]):
         raise RecipeError(f"{where}: smoothquant alpha, alphas and group_alpha must be within [0, 1]")
     groups = {g.name for spec in FAMILIES for g in spec.groups}
+    if set(recipe.float_groups) - groups:
+        raise RecipeError(f"{where}: float_groups: unknown group(s) "
+                          f"{', '.join(sorted(set(recipe.float_groups) - groups))} (groups: {', '.join(sorted(groups))})")
     if sq and set(sq.group_alpha) - groups:
         raise RecipeError(f"{where}: smoothquant.group_alpha: unknown group(s) "
                           f"{', '.join(sorted(set(sq.group_alpha) - groups))} (groups: {', '.join(sorted(groups))})")

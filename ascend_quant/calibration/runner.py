@@ -66,7 +66,7 @@ class _GroupHook:
         self.valid = valid.reshape(-1)
         self.all_valid = bool(self.valid.all())    # then `flat` below is a view, not a copy
         self.modules = {name: layer.get_submodule(name) for name in group.linears}
-        self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}") for name in group.linears}
+        self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}", group.name) for name in group.linears}
         self.source: torch.Tensor | None = None     # the input as it arrived
         self.transformed: torch.Tensor | None = None
         self.seen_by_scheme: dict[str, torch.Tensor] = {}
