@@ -1,0 +1,142 @@
+"""Test helpers for MoE serving: a tiny random Qwen3-MoE, its experts quantized by hand into the
+per-expert layout of moe.md §1 (`schemes.checkpoint_entries` on one QuantizedLinear per expert
+projection; router, attention and everything else FLOAT), and an independent plain-torch
+reference of the quantized experts (moe.md §2's CPU formula) installed into the transformers
+model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from ascend_quant import numerics
+from ascend_quant.formats.ascend import write_checkpoint
+from ascend_quant.schemes import QuantizedLinear, checkpoint_entries, get_scheme
+from conftest import fixture_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+NUM_EXPERTS = 4
+
+
+def build_tiny_qwen3_moe(dst: Path, seed: int = 0, logit_gain: float = 4.0) -> Path:
+    """hidden 64, 2 layers, 4 experts of intermediate 64, top-2, saved with save_pretrained (which
+    writes per-expert names) and the tiny-qwen2 tokenizer. Weights are random at a scale where
+    every Linear matters; router rows are larger so routing is decisive; `logit_gain` scales the
+    final norm so greedy choices are decisive."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                            num_experts=NUM_EXPERTS, num_experts_per_tok=2, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
+                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "experts" in name or name.endswith("proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.12)
+        model.model.norm.weight.mul_(logit_gain)
+    model.save_pretrained(dst, safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        shutil.copy(fixture_dir("tiny-qwen2-fp32") / f, dst / f)
+        (dst / f).chmod(0o644)
+    return dst
+
+
+def _state(model_dir: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    return state
+
+
+def quantize_experts(model_dir: Path, out: Path, scheme: str) -> Path:
+    """An Ascend checkpoint of the tiny MoE with every routed expert projection in `scheme`
+    (per-channel min-max weights), everything else FLOAT."""
+    state = _state(model_dir)
+    if not any(EXPERT_KEY.match(k) for k in state):
+        raise AssertionError(f"{model_dir}: no per-expert keys (save_pretrained wrote {sorted(state)[:4]} ...)")
+    info = get_scheme(scheme)
+    tensors: dict[str, torch.Tensor] = {}
+    desc: dict[str, str] = {}
+    for name, w in state.items():
+        m = EXPERT_KEY.match(name)
+        if not m:
+            tensors[name], desc[name] = w.contiguous(), "FLOAT"
+            continue
+        prefix = name[: -len(".weight")]
+        q, s = numerics.quantize_weight(w.float(), info.weight_bits, 0)
+        ql = QuantizedLinear(info.name, q, s, None, row_parallel=m.group(3) == "down_proj")
+        for key, (t, qtype) in checkpoint_entries(ql, prefix, torch.float32).items():
+            tensors[key], desc[key] = t.contiguous(), qtype
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "ascend"}
+    return write_checkpoint(out, tensors, desc, source_dir=model_dir, config=config)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def _int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [n/2, k] holding two int4 per byte along n (low nibble = even row) -> int values [n, k]."""
+    p = packed.to(torch.int16)
+    lo = ((p & 0xF) ^ 8) - 8
+    hi = (((p >> 4) & 0xF) ^ 8) - 8
+    return torch.stack((lo, hi), dim=1).reshape(-1, packed.shape[-1]).float()
+
+
+def dequantized_expert(ckpt: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The float weight [n, k] of one stored expert projection: integer weights times the
+    per-channel scale (int4 unpacked when the weight has half the scale's rows)."""
+    w, s = ckpt[f"{prefix}.weight"], ckpt[f"{prefix}.weight_scale"].float().reshape(-1, 1)
+    values = _int4_rows(w) if w.shape[0] * 2 == s.shape[0] else w.float()
+    return values * s
+
+
+def fake_quant_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Per-token symmetric int8: s = max|x_t| / 127, round(x / s) in [-128, 127], times s."""
+    s = x.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.clamp(torch.round(x / s), -128, 127) * s
+
+
+def reference_model(model_dir: Path, ckpt_dir: Path):
+    """The transformers model of `model_dir` whose routed experts compute moe.md §2's CPU
+    reference from the checkpoint in `ckpt_dir`: dequantized weights, per-token fake-quantized
+    inputs of gate/up and of down, the top-k weighted sum. Router and the rest stay float."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _state(ckpt_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for li, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        base = f"model.layers.{li}.mlp.experts"
+        weights = [tuple(dequantized_expert(ckpt, f"{base}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+                   for e in range(experts.num_experts)]
+
+        def forward(self, hidden, top_k_index, top_k_weights, weights=weights):
+            out = torch.zeros_like(hidden)
+            for t in range(hidden.shape[0]):
+                for k in range(top_k_index.shape[1]):
+                    gate, up, down = weights[int(top_k_index[t, k])]
+                    x = fake_quant_per_token(hidden[t:t + 1])
+                    a = F.silu(x @ gate.t()) * (x @ up.t())
+                    out[t] += top_k_weights[t, k] * (fake_quant_per_token(a) @ down.t())[0]
+            return out
+
+        experts.forward = types.MethodType(forward, experts)
+    return model
