@@ -278,3 +278,34 @@ def test_loader_refuses_a_bad_expert_scale_naming_its_checkpoint_key(tmp_path, c
     with pytest.raises(Exception, match=rf"{name.replace('.', '[.]')} has 1 NaN value"):
         run_engine(bad)
     gc.collect()
+
+
+def test_npu_grouped_chain_matches_the_formula_through_the_emulation():
+    """The NPU form of W8A8_DYNAMIC experts (npu_dynamic_quant, npu_grouped_matmul with counts
+    per expert, npu_swiglu) wired through the emulated torch_npu: bf16 activations and bf16
+    expert scales as vllm-ascend keeps them, against the token-by-token formula on the same
+    bf16-rounded scales."""
+    from ascend_quant.runtime.kernels import npu_emulation
+    from ascend_quant.runtime.kernels.moe import npu_int8_experts, prepare_npu_int8_experts
+    from ascend_quant.schemes import W8A8_DYNAMIC
+
+    torch.manual_seed(1)
+    e, h, i, t = 4, 64, 32, 9
+    stored = _random_experts(W8A8_DYNAMIC.name, e, h, i, seed=3)
+    for pair in stored:                  # the formula below sees the scales the NPU holds
+        for tensors in pair:
+            tensors["weight_scale"] = tensors["weight_scale"].to(torch.bfloat16).float()
+    x = torch.randn(t, h).to(torch.bfloat16)
+    topk_ids = torch.tensor([[3, 1], [1, 3], [2, 3], [3, 2], [1, 2], [2, 1], [3, 1], [2, 3], [1, 2]])  # expert 0 idle
+    topk_weights = torch.softmax(torch.randn(t, 2), -1)
+    stack = lambda j, key: torch.stack([p[j][key] for p in stored])  # noqa: E731
+    with npu_emulation.installed():
+        w = prepare_npu_int8_experts(stack(0, "weight"), stack(0, "weight_scale"), stack(1, "weight"),
+                                     stack(1, "weight_scale"), nz=True)
+        y = npu_int8_experts(x, topk_weights, topk_ids, w)
+    expected = _plain_moe(x.float(), topk_weights, topk_ids, stored, W8A8_DYNAMIC.name)
+    assert y.dtype == torch.bfloat16
+    # bf16 rounding of h and of the expert outputs; a wiring error (transposed weights, swapped
+    # gate/up, wrong group boundaries or scale axis) is off by far more
+    err = (y.float() - expected).abs().max() / expected.abs().max()
+    assert err < 2e-2, err
