@@ -128,11 +128,12 @@ def fake_quant_per_token(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(x / s), -128, 127) * s
 
 
-def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True):
+def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True, tp: int = 1):
     """The transformers model of `model_dir` whose routed experts compute moe.md §2's CPU
     reference from the checkpoint in `ckpt_dir`: dequantized weights, per-token fake-quantized
     inputs of gate/up and of down (`activations=False`: float inputs, the weight-only schemes),
-    the top-k weighted sum. Router and the rest stay float."""
+    the top-k weighted sum. Router and the rest stay float. `tp`: down's input is split over
+    that many tensor-parallel ranks, each quantizing its own slice per token."""
     from transformers import AutoModelForCausalLM
 
     ckpt = _state(ckpt_dir)
@@ -152,7 +153,8 @@ def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True):
                     gate, up, down = weights[int(top_k_index[t, k])]
                     x = fq(hidden[t:t + 1])
                     a = F.silu(x @ gate.t()) * (x @ up.t())
-                    out[t] += top_k_weights[t, k] * (fq(a) @ down.t())[0]
+                    a = torch.cat([fq(part) for part in a.chunk(tp, dim=-1)], dim=-1)
+                    out[t] += top_k_weights[t, k] * (a @ down.t())[0]
             return out
 
         experts.forward = types.MethodType(forward, experts)
