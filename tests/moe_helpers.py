@@ -85,7 +85,8 @@ def _state(model_dir: Path) -> dict[str, torch.Tensor]:
 def quantize_experts(model_dir: Path, out: Path, scheme: str, group_size: int = 0, dense: tuple[str, ...] = ()) -> Path:
     """An Ascend checkpoint of the tiny MoE with every routed expert projection in `scheme`
     (min-max weights, per channel or per `group_size` in-features), and the Linears whose name
-    contains one of `dense` (e.g. "shared_expert.") likewise; everything else FLOAT."""
+    contains one of `dense` (e.g. "shared_expert.") likewise; everything else FLOAT (all of it
+    for `scheme` FLOAT)."""
     state = _state(model_dir)
     if not any(EXPERT_KEY.match(k) for k in state):
         raise AssertionError(f"{model_dir}: no per-expert keys (save_pretrained wrote {sorted(state)[:4]} ...)")
@@ -94,7 +95,8 @@ def quantize_experts(model_dir: Path, out: Path, scheme: str, group_size: int = 
     desc: dict[str, str] = {}
     for name, w in state.items():
         m = EXPERT_KEY.match(name)
-        linear = m is not None or (name.endswith("proj.weight") and any(d in name for d in dense))
+        linear = info.weight_bits is not None and (
+            m is not None or (name.endswith("proj.weight") and any(d in name for d in dense)))
         if not linear:
             tensors[name], desc[name] = w.contiguous(), "FLOAT"
             continue

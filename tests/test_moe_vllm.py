@@ -223,6 +223,21 @@ def test_tensor_parallel_2_matches_the_reference(float_models, checkpoints, tmp_
             assert abs(lp - rl[i, t].item()) < LOGPROB_TOL, (i, lp, rl[i, t].item())
 
 
+def test_float_experts_are_left_to_vllm(workdir, float_models):
+    """A checkpoint whose experts are FLOAT (everything FLOAT here) gets no method of ours for
+    them: vLLM's unquantized experts serve it, with the float model's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = quantize_experts(float_models["qwen3_moe"], workdir / "qwen3-FLOAT", "FLOAT")
+    generated, served = run_engine(path)
+    assert [s["method"] for s in served] == ["UnquantizedFusedMoEMethod"] * 2, served
+    float_lm = AutoModelForCausalLM.from_pretrained(float_models["qwen3_moe"], dtype=torch.float32).eval()
+    for prompt, (tokens, logprobs) in zip(PROMPTS, generated):
+        f = _logprobs(float_lm, prompt, tokens)
+        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+            assert f[i, t] >= f[i].max() - LOGPROB_TOL and abs(lp - f[i, t].item()) < LOGPROB_TOL, (prompt, i)
+
+
 def test_moe_op_has_a_fake_and_needs_a_forward_context():
     from ascend_quant.runtime.vllm import ops
 
