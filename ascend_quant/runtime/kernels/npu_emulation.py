@@ -110,6 +110,59 @@ def npu_weight_quant_batchmatmul(x: torch.Tensor, weight: torch.Tensor, antiquan
     return y.to(x.dtype)
 
 
+def _group_rows(group_list: torch.Tensor, group_list_type: int, groups: int, m: int) -> list[tuple[int, int]]:
+    """(start, end) rows of each group: group_list holds counts (type 1) or cumulative ends (type 0)."""
+    assert group_list.dtype == torch.int64 and group_list.shape == (groups,), \
+        f"group_list must be int64 [{groups}], got {group_list.dtype} {tuple(group_list.shape)}"
+    ends = group_list.cumsum(0) if group_list_type == 1 else group_list
+    ends = [int(e) for e in ends]
+    assert ends == sorted(ends) and ends[-1] <= m, f"group_list {group_list.tolist()} does not fit {m} rows"
+    return list(zip([0] + ends[:-1], ends))
+
+
+def npu_grouped_matmul(x: list, weight: list, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list: torch.Tensor | None = None,
+                       split_item: int = 0, group_type: int | None = None, group_list_type: int = 0,
+                       act_type: int = 0, output_dtype: torch.dtype | None = None, **_unused) -> list:
+    """The MoE form only: one x [m, k] whose rows are split into E groups (`group_type=0`,
+    `group_list` int64 [E]: counts with `group_list_type=1`, cumulative ends with 0), one stacked
+    weight [E, k, n], one output [m, n] (`split_item` 2 or 3). Group e computes `x[rows_e] @ w[e]`:
+    int8 x int8 accumulated exactly, times `scale[e]` ([E, n], float32 or bf16) and the row's
+    `per_token_scale` ([m]), cast to `output_dtype` (bf16 / fp16); float x with float w as is."""
+    assert len(x) == 1 and len(weight) == 1, "emulation: one x and one stacked weight"
+    assert split_item in (2, 3) and group_type == 0 and act_type == 0, (split_item, group_type, act_type)
+    assert bias is None and offset is None and antiquant_scale is None and antiquant_offset is None, \
+        "emulation: bias, offset and antiquant arguments are not modelled"
+    a, w = x[0], weight[0]
+    assert w.dim() == 3 and a.dim() == 2 and a.shape[1] == w.shape[1], \
+        f"x must be [m, k] and weight [E, k, n]: x {tuple(a.shape)} weight {tuple(w.shape)}"
+    groups, _, n = w.shape
+    quantized = a.dtype == torch.int8
+    if quantized:
+        assert w.dtype == torch.int8, "int8 x needs an int8 weight"
+        assert scale is not None and len(scale) == 1 and scale[0].shape == (groups, n), \
+            f"scale must be [[E, n]], got {None if scale is None else [tuple(t.shape) for t in scale]}"
+        assert scale[0].dtype in (torch.float32, torch.bfloat16), scale[0].dtype
+        assert per_token_scale is not None and per_token_scale[0].shape == (a.shape[0],), "per_token_scale is [m]"
+        assert output_dtype in (torch.bfloat16, torch.float16), "quantized grouped matmul outputs bf16 / fp16"
+    out = torch.zeros(a.shape[0], n, dtype=torch.float32)
+    for e, (start, end) in enumerate(_group_rows(group_list, group_list_type, groups, a.shape[0])):
+        if end == start:
+            continue
+        if quantized:
+            acc = (a[start:end].double() @ w[e].double()).to(torch.int64)
+            out[start:end] = acc.float() * scale[0][e].float() * per_token_scale[0][start:end].float().unsqueeze(-1)
+        else:
+            out[start:end] = a[start:end].float() @ w[e].float()
+    return [out.to(output_dtype or a.dtype)]
+
+
+def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """`silu(a) * b` with x split into halves (a, b) along `dim`, in x's dtype."""
+    a, b = x.float().chunk(2, dim=dim)
+    return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
+
 def npu_scatter_pa_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, cache_mode: str = "Norm",
                             **_unused) -> None:
@@ -195,7 +248,8 @@ def module() -> types.ModuleType:
     mod = types.ModuleType("torch_npu")
     mod.__doc__ = __doc__
     for name in ("npu_format_cast", "npu_quantize", "npu_dynamic_quant", "npu_quant_matmul",
-                 "npu_weight_quant_batchmatmul", "npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score"):
+                 "npu_weight_quant_batchmatmul", "npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score",
+                 "npu_grouped_matmul", "npu_swiglu"):
         setattr(mod, name, globals()[name])
     mod.ASCEND_QUANT_EMULATION = True
     return mod

@@ -143,6 +143,10 @@ class AscendQuantConfig(QuantizationConfig):
 
         from ascend_quant.runtime.vllm.linear import AscendQuantFloatLinearMethod, AscendQuantLinearMethod
 
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        if isinstance(layer, RoutedExperts):
+            return self.experts_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return self.kv_cache_method(layer, prefix)
         shards = self.shard_prefixes(prefix)
@@ -164,6 +168,34 @@ class AscendQuantConfig(QuantizationConfig):
             raise ValueError(f"{self.description_file}: key {shards[0] + '.weight'!r} has quant type {scheme!r}, "
                              "which is not a Linear scheme")
         return AscendQuantLinearMethod(self, scheme, prefix, shards, norm_bias)
+
+    def experts_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for a layer's routed experts: one scheme for all of them, read from each
+        expert's `{gate,up,down}.weight` entry (vllm-ascend reads expert 0 only; a layer that
+        mixes schemes is refused here rather than served wrong). FLOAT experts: None (vLLM's
+        unquantized experts)."""
+        from ascend_quant.runtime.vllm.moe import AscendQuantMoEMethod, expert_names
+
+        names = expert_names(layer)
+        schemes: dict[str, list[str]] = {}
+        for e in range(layer.global_num_experts):
+            for name in names:
+                key = f"{prefix}.{e}.{name}.weight"
+                if key not in self.description:
+                    raise ValueError(f"{self.description_file}: no key {key!r} (every expert's {', '.join(names)} "
+                                     "need a '.weight' entry, per expert)")
+                schemes.setdefault(self.description[key], []).append(key)
+        if len(schemes) > 1:
+            detail = ", ".join(f"{s} (e.g. {keys[0]!r})" for s, keys in schemes.items())
+            raise ValueError(f"{self.description_file}: the experts of {prefix} mix quant types: {detail}; "
+                             "one scheme per MoE layer is served (as by vllm-ascend)")
+        scheme = next(iter(schemes))
+        if is_float(scheme):
+            return None
+        if not is_linear(scheme):
+            raise ValueError(f"{self.description_file}: key {prefix + '.0.' + names[0] + '.weight'!r} has quant type "
+                             f"{scheme!r}, which is not a Linear scheme")
+        return AscendQuantMoEMethod(self, scheme, prefix, layer.moe_config, names)
 
     def c8_layers(self) -> list[str]:
         """Checkpoint prefixes (e.g. model.layers.3.self_attn) that carry C8 KV-cache scales."""

@@ -14,6 +14,7 @@ layers, and the traced graph holds only a string, stable across processes for vL
 compile cache).
 
     y = torch.ops.ascend_quant.linear(x, bias, layer_name, out_features)
+    y = torch.ops.ascend_quant.moe(x, topk_weights, topk_ids, layer_name)   # routed experts
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _layer(key: str) -> torch.nn.Module:
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
-        raise RuntimeError(f"{key}: the ascend linear op runs inside a vLLM forward only")
+        raise RuntimeError(f"{key}: the ascend_quant ops run inside a vLLM forward only")
     return get_forward_context().no_compile_layers[key]
 
 
@@ -55,3 +56,17 @@ def linear(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_feat
 @linear.register_fake
 def _linear_fake(x, bias, layer_name, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("ascend_quant::moe", mutates_args=())
+def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """The routed, top-k weighted expert sum of the RoutedExperts layer registered as
+    `layer_name` (its `ascend_experts`, see runtime.vllm.moe)."""
+    from ascend_quant.runtime.kernels.moe import routed_experts
+
+    return routed_experts(x, topk_weights, topk_ids, _layer(layer_name).ascend_experts)
+
+
+@moe.register_fake
+def _moe_fake(x, topk_weights, topk_ids, layer_name):
+    return torch.empty_like(x)
