@@ -54,19 +54,20 @@ def _model(family: str, seed: int = 0):
     return model
 
 
+def save_tiny(family: str, d: Path) -> Path:
+    """The tiny model of the family saved with the tiny-qwen2 tokenizer (also used by
+    tests/test_vllm_ascend_layout.py)."""
+    _model(family).save_pretrained(d)
+    for f in fixture_dir("tiny-qwen2-fp32").iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, d / f.name)
+    return d
+
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")
-    tok = fixture_dir("tiny-qwen2-fp32")
-    out = {}
-    for family in FAMILIES:
-        d = root / family
-        _model(family).save_pretrained(d)
-        for f in tok.iterdir():
-            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
-                shutil.copy(f, d / f.name)
-        out[family] = d
-    return out
+    return {family: save_tiny(family, root / family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")

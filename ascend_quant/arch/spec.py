@@ -94,6 +94,9 @@ class ArchSpec:
     vllm_attention: str = "self_attn.attn"      # vLLM's Attention module, relative to the layer
     mlp: GatedMLP | None = None
     notes: tuple[str, ...] = field(default=())
+    # why vllm-ascend 0.23 cannot load this family's checkpoints as written (verify notes it;
+    # our runtime serves them), or None
+    vllm_ascend_gap: str | None = None
 
     @property
     def attention(self) -> str:
