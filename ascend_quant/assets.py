@@ -155,12 +155,22 @@ def gemma_model_dir() -> Path:
 MODELS = {REFERENCE_NAME: reference_model_dir, GEMMA_NAME: gemma_model_dir}
 
 
+def _gguf_adds_bos(gguf: Path) -> bool:
+    """The GGUF's `tokenizer.ggml.add_bos_token` (false where absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field is not None and field.data and field.parts[field.data[0]][0])
+
+
 def _convert_gguf(gguf: Path, out: Path, card: str, source: str, extra: tuple[Path, ...] = ()) -> None:
     """Dequantize the GGUF to an fp32 transformers folder (written atomically)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if _gguf_adds_bos(gguf) and not tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        tokenizer.add_bos_token = True      # transformers' GGUF reader drops the flag (Gemma's is true)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     # transformers refuses to save a GGUF-loaded model while it carries the GGUF
