@@ -624,3 +624,20 @@ def test_bos_starts_every_sample_and_window_where_the_tokenizer_adds_it(tiny, ca
     assert w.shape == (4, 32) and (w[:, 0] == bos).all()
     assert torch.equal(w[:, 1:].reshape(-1), eval_windows(texts, plain, 124, 124).reshape(-1))
     assert not (eval_windows(texts, plain, 128, 32) == bos).any()
+
+
+def test_gguf_add_bos_flag_is_read(tmp_path):
+    """The flag transformers' GGUF tokenizer reader drops (Gemma's GGUF says true): read from
+    the file, false where it says false or nothing."""
+    from gguf import GGUFWriter
+
+    from ascend_quant.assets import _gguf_adds_bos
+    for name, flag in (("yes", True), ("no", False), ("absent", None)):
+        w = GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        if flag is not None:
+            w.add_add_bos_token(flag)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert _gguf_adds_bos(tmp_path / f"{name}.gguf") is bool(flag), name
