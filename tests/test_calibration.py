@@ -616,3 +616,46 @@ def test_ctrl_c_leaves_no_folder(tmp_path, tiny, calib_jsonl, monkeypatch):
                 "--num-samples", "2", "--seq-len", "32"])
     assert res.exit_code == 1 and "interrupted" in res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bos_starts_every_sample_and_window_where_the_tokenizer_adds_it(tiny, calib_jsonl):
+    """A tokenizer that adds BOS (Gemma's) gets it at the start of every packed window, every
+    unpacked sample and every evaluation window, the rest the text in order; the same
+    tokenizer without BOS gives the same text tokens with no BOS anywhere."""
+    from transformers import AutoTokenizer
+
+    from ascend_quant.calibration.data import eval_windows
+    plain = AutoTokenizer.from_pretrained(tiny)
+    assert plain("a")["input_ids"][0] != plain.bos_token_id     # the tiny one adds none
+    bos_tok = AutoTokenizer.from_pretrained(tiny)
+    bos_tok.add_bos_token = True
+    bos = bos_tok.bos_token_id
+    texts = load_texts(calib_jsonl)
+    packed = tokenize_samples(texts, bos_tok, 4, 32).ids
+    assert (packed[:, 0] == bos).all() and not (packed[:, 1:] == bos).any()
+    ref = tokenize_samples(texts, plain, 5, 31).ids         # the same text stream, 31 tokens a window
+    assert torch.equal(packed[:, 1:], ref[:4])
+    unpacked = tokenize_samples(texts, bos_tok, 3, 4096, packing=False)
+    for row, valid, text in zip(unpacked.ids, unpacked.valid, texts):
+        assert row[valid].tolist() == [bos] + plain(text, add_special_tokens=False)["input_ids"]
+    w = eval_windows(texts, bos_tok, 128, 32)
+    assert w.shape == (4, 32) and (w[:, 0] == bos).all()
+    assert torch.equal(w[:, 1:].reshape(-1), eval_windows(texts, plain, 124, 124).reshape(-1))
+    assert not (eval_windows(texts, plain, 128, 32) == bos).any()
+
+
+def test_gguf_add_bos_flag_is_read(tmp_path):
+    """The flag transformers' GGUF tokenizer reader drops (Gemma's GGUF says true): read from
+    the file, false where it says false or nothing."""
+    from gguf import GGUFWriter
+
+    from ascend_quant.assets import _gguf_adds_bos
+    for name, flag in (("yes", True), ("no", False), ("absent", None)):
+        w = GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        if flag is not None:
+            w.add_add_bos_token(flag)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert _gguf_adds_bos(tmp_path / f"{name}.gguf") is bool(flag), name

@@ -188,6 +188,19 @@ def world(tmp_path_factory):
     del config["quantization_config"]
     (bare / "config.json").write_text(json.dumps(config))
     folders[bare.name] = bare
+    # GLM-4 (gate_up_proj fused on disk): as written, and with the split names vLLM's Glm4
+    # mapping looks up typed in the description (no tensors behind them): the control
+    from test_families_fused import save_tiny
+    glm4 = folders["calibrated-glm4"] = tmp / "calibrated-glm4"
+    job.calibrate(str(save_tiny("glm4", tmp / "tiny-glm4")), glm4, recipes.Recipe("W8A8_DYNAMIC", method="minmax"),
+                  str(FIXTURES / "calib.jsonl"), num_samples=4, seq_len=32, show_progress=False)
+    split = folders["glm4-split-names"] = tmp / "glm4-split-names"
+    shutil.copytree(glm4, split)
+    config = json.loads((split / "config.json").read_text())
+    for i in range(2):
+        for p in ("gate_proj", "up_proj"):
+            config["quantization_config"][f"model.layers.{i}.mlp.{p}.weight"] = "W8A8_DYNAMIC"
+    (split / "config.json").write_text(json.dumps(config))
     for name in LINEAR_FOLDERS:
         ckpt = read_checkpoint(folders[name])
         desc = json.loads((folders[name] / DESCRIPTION_NAME).read_text())
@@ -327,3 +340,21 @@ def test_verify_and_convert_handle_a_quantization_config_without_the_description
     q = json.loads((out / "config.json").read_text())["quantization_config"]
     assert q["quant_method"] == "ascend"
     assert {k: v for k, v in q.items() if "." in k} == read_checkpoint(out).description
+
+
+def test_vllm_ascend_0_23_does_not_load_glm4_fused_gate_up_and_verify_says_so(world):
+    """vllm-ascend's lookup for vLLM's `mlp.gate_up_proj` of a GLM-4 folder as we write it (fused,
+    as HF's): KeyError on the split name its Glm4 mapping asks for, on every layer; the other
+    Linears get their scheme. Typing the split names (the control) lets the lookup pass, so
+    that lookup is the cause. verify notes the gap for GLM-4 and for no Llama-layout folder."""
+    from ascend_quant.formats.verify import verify
+    layers = world["answer"]["folders"][world["folders"]["calibrated-glm4"]]["layers"]
+    control = world["answer"]["folders"][world["folders"]["glm4-split-names"]]["layers"]
+    for i in range(2):
+        assert layers[f"model.layers.{i}.mlp.gate_up_proj"] == f"error: KeyError: 'model.layers.{i}.mlp.gate_proj.weight'"
+        assert control[f"model.layers.{i}.mlp.gate_up_proj"] == "AscendW8A8DynamicLinearMethod"
+        for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj"):
+            assert layers[f"model.layers.{i}.{p}"] == "AscendW8A8DynamicLinearMethod", (i, p, layers)
+    report = verify(world["folders"]["calibrated-glm4"])
+    assert report.ok and any("vllm-ascend 0.23 does not load" in n and "gate_up_proj" in n for n in report.notes)
+    assert not any("vllm-ascend 0.23 does not load" in n for n in verify(world["folders"]["calibrated-W8A8"]).notes)

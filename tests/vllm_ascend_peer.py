@@ -124,13 +124,24 @@ def declared_params(quant_type: str, n: int, k: int, params_dtype, row: bool, de
     return {"class": cls.__name__, "params": out}
 
 
+# config.json's model_type -> the vLLM model class whose packed_modules_mapping vLLM hands the
+# quant config (vllm-ascend replaces it only for the model types its own table lists)
+MODEL_CLASSES = {"qwen2": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
+                 "glm4": ("vllm.model_executor.models.glm4", "Glm4ForCausalLM")}
+
+
 def read_folder(path: str, prefixes: list[str]) -> dict:
     """What vllm-ascend's config makes of a checkpoint folder: the description keys it holds
-    and, per vLLM Linear prefix (fused names: qkv_proj, gate_up_proj), the scheme it picks."""
-    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
-    from vllm_ascend.quantization.modelslim_config import AscendModelSlimConfig, create_scheme_for_layer
+    and, per vLLM Linear prefix (fused names: qkv_proj, gate_up_proj), the scheme it picks,
+    with the packed mapping of the folder's model type (Qwen2's without a config.json)."""
+    import importlib
+
+    from vllm_ascend.quantization.modelslim_config import (AscendModelSlimConfig, create_scheme_for_layer,
+                                                           packed_modules_model_mapping)
 
     config = json.loads((Path(path) / "config.json").read_text())
+    model_type = config.get("model_type", "qwen2")
+    module, cls = MODEL_CLASSES[model_type]
     hf_quant = config.get("quantization_config")
     # vLLM's get_quant_config: from_config(config.json's quantization_config) when there is one,
     # else the class's default (vllm-ascend lists no config file names); then maybe_update_config.
@@ -138,7 +149,8 @@ def read_folder(path: str, prefixes: list[str]) -> dict:
     qc.maybe_update_config(path)
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    mapping = dict(Qwen2ForCausalLM.packed_modules_mapping)
+    mapping = dict(packed_modules_model_mapping.get(model_type)
+                   or getattr(importlib.import_module(module), cls).packed_modules_mapping)
     layers = {}
     vllm_config = VllmConfig()          # some schemes (W4A8) read the current config when built
     vllm_config.quant_config = qc

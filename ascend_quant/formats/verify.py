@@ -51,6 +51,9 @@ def verify(path: str | Path) -> Report:
     _check_layers_complete(ckpt, report)
     _check_fused(ckpt, report)
     report.problems.extend(checkpoint_value_problems(ckpt))
+    gap = spec_for_config(ckpt.config).vllm_ascend_gap
+    if gap:
+        report.notes.append(gap)
     return report
 
 
