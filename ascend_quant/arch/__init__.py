@@ -9,10 +9,12 @@ A new family is one new file here with a `SPEC`, added to `FAMILIES`.
 
 from __future__ import annotations
 
-from ascend_quant.arch import gemma, glm4, llama, phi3
+from ascend_quant.arch import gemma, glm4, llama, mixtral, phi3, qwen_moe
+from ascend_quant.arch.moe import LinearExperts, MoESpec, experts_of, replace_experts
 from ascend_quant.arch.spec import ArchSpec, GatedMLP, LinearGroup, lean_mlp
 
-FAMILIES: tuple[ArchSpec, ...] = (llama.SPEC, gemma.SPEC, gemma.SPEC_MULTIMODAL, phi3.SPEC, glm4.SPEC)
+FAMILIES: tuple[ArchSpec, ...] = (llama.SPEC, gemma.SPEC, gemma.SPEC_MULTIMODAL, phi3.SPEC, glm4.SPEC,
+                                  qwen_moe.SPEC_QWEN3, qwen_moe.SPEC_QWEN2, mixtral.SPEC)
 SPECS: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 # Checkpoint tools (verify, convert, inspect) read folders without a config.json (msModelSlim's
 # v0 outputs) or of a family not listed: they check names against the Llama layout, the one
@@ -32,9 +34,17 @@ def spec_for_model(model) -> ArchSpec:
         archs = ", ".join(getattr(model.config, "architectures", None) or [])
         raise UnsupportedModelError(f"architecture {model_type!r} ({archs}) has no spec in ascend_quant.arch; "
                                     f"supported: {', '.join(sorted(SPECS))}")
-    missing = spec.missing_modules(spec.layers(model)[0])
-    if missing:
-        raise UnsupportedModelError(f"{model_type}: decoder layer has no {', '.join(missing)}")
+    layers = spec.layers(model)
+    kinds = {spec.is_moe_layer(i, model.config): i for i in reversed(range(len(layers)))}
+    for moe, i in kinds.items():     # the first layer of each kind (dense, MoE)
+        groups = spec.groups if not moe else \
+            tuple(g for g in spec.layer_groups(i, model.config) if g.expert is None)
+        missing = spec.missing_modules(layers[i], groups)
+        if moe:
+            missing += [n for n in (spec.moe.router_path, spec.moe.experts_path, *spec.moe.float_modules)
+                        if n not in dict(layers[i].named_modules())]
+        if missing:
+            raise UnsupportedModelError(f"{model_type}: decoder layer {i} has no {', '.join(missing)}")
     return spec
 
 
@@ -46,5 +56,6 @@ def spec_for_config(config: dict | None) -> ArchSpec:
     return SPECS.get(model_type, DEFAULT)
 
 
-__all__ = ["ArchSpec", "GatedMLP", "LinearGroup", "lean_mlp", "FAMILIES", "SPECS", "DEFAULT",
+__all__ = ["ArchSpec", "GatedMLP", "LinearGroup", "lean_mlp", "LinearExperts", "MoESpec", "experts_of",
+           "replace_experts", "FAMILIES", "SPECS", "DEFAULT",
            "UnsupportedModelError", "spec_for_model", "spec_for_config"]

@@ -24,6 +24,11 @@ reads only the up half of gate_up_proj, so its fold divides rows `chunk 1 of 2` 
 `sole_consumer` says nothing else reads the producer's output (the residual stream takes the
 un-normed sum), which both makes the fold an equivalence and lets calibration transform the
 input in place.
+
+A Mixture-of-Experts layer (`ArchSpec.moe`, arch/moe.py) replaces the dense MLP groups by
+one gate/up and one down group per routed expert (templated on `{e}`), plus any shared
+expert's groups; the router and shared-expert gate stay FLOAT. Which layers are MoE is read
+from the config (`MoESpec.is_moe_layer`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class LinearGroup:
     on_disk: tuple[str, ...] = ()
     # (index, count): the group reads rows chunk `index` of `count` of its Linear producer
     producer_chunk: tuple[int, int] | None = None
+    expert: int | None = None      # a routed expert's group: its index (the names hold it)
 
     def __post_init__(self):
         if (self.producer is None) != (self.producer_kind is None) or \
@@ -94,6 +100,7 @@ class ArchSpec:
     vllm_attention: str = "self_attn.attn"      # vLLM's Attention module, relative to the layer
     mlp: GatedMLP | None = None
     notes: tuple[str, ...] = field(default=())
+    moe: "MoESpec | None" = None                # Mixture-of-Experts layers (arch/moe.py)
 
     @property
     def attention(self) -> str:
@@ -107,14 +114,41 @@ class ArchSpec:
     def linear_names(self) -> list[str]:
         return [name for g in self.groups for name in g.linears]
 
-    def missing_modules(self, layer: torch.nn.Module) -> list[str]:
-        wanted = self.linear_names() + [g.producer for g in self.groups if g.producer]
+    def is_moe_layer(self, index: int, config) -> bool:
+        """Whether decoder layer `index` of a model with this config (object or dict) is MoE."""
+        return self.moe is not None and self.moe.is_moe_layer(index, config)
+
+    def layer_groups(self, index: int, config) -> tuple[LinearGroup, ...]:
+        """The groups of decoder layer `index`: the dense ones, or for a MoE layer the dense
+        ones but the MLP's, the shared expert's and each routed expert's."""
+        if not self.is_moe_layer(index, config):
+            return self.groups
+        return self.moe.layer_groups(self.groups, self.moe.num_experts(config))
+
+    def missing_modules(self, layer: torch.nn.Module, groups: tuple[LinearGroup, ...] | None = None) -> list[str]:
+        groups = self.groups if groups is None else groups
+        wanted = [n for g in groups for n in g.linears] + [g.producer for g in groups if g.producer]
         return [n for n in wanted if not _has(layer, n)]
+
+    def to_disk(self, name: str) -> str:
+        """A model (state-dict or module) name as the checkpoint spells it (Mixtral's MoE block
+        is `mlp` in transformers 5, `block_sparse_moe` on disk and in vLLM)."""
+        return self.moe.to_disk(name) if self.moe is not None else name
+
+    def from_disk(self, name: str) -> str:
+        """The inverse of `to_disk`."""
+        return self.moe.from_disk(name) if self.moe is not None else name
 
     # ------------------------------------------------------------------ checkpoint names
     def group_of(self, prefix: str) -> LinearGroup | None:
         """The group a checkpoint Linear (`model.layers.3.self_attn.q_proj`) belongs to."""
         rel = self.relative(prefix)
+        if rel is not None and self.moe is not None:
+            rel = self.moe.template(self.moe.from_disk_relative(rel))
+            moe_groups = self.moe.groups + self.moe.shared_groups
+            found = next((g for g in moe_groups if rel in g.linears), None)
+            if found is not None:
+                return found
         return next((g for g in self.groups if rel in g.linears), None)
 
     def relative(self, prefix: str) -> str | None:
