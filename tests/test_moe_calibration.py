@@ -1,5 +1,6 @@
-"""Mixture-of-Experts calibration on tiny random Qwen3-MoE (layer 0 dense), Mixtral and
-Qwen2-MoE (shared expert) models built here: the per-expert replacement computes the fused
+"""Mixture-of-Experts calibration on tiny random Qwen3-MoE (layer 0 dense), Mixtral,
+Qwen2-MoE (shared expert) and DeepSeek-V2-Lite-style (MLA, first layer dense, shared
+experts) models built here: the per-expert replacement computes the fused
 model's logits, streaming reads per-expert and fused-on-disk files alike, every expert
 scheme calibrates, verifies and tracks the float model through the reference model, experts
 the router never picks fall back and are named, and verify catches broken expert layouts.
@@ -32,12 +33,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
               max_position_embeddings=256, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 E, INTER = 4, 64
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2")
 IDS = torch.tensor([[1, 17, 250, 33, 400, 5, 77, 140, 3, 99, 31, 8, 300, 301, 40, 41, 42, 7, 12, 500]])
 
 
 def _config(family: str):
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    if family == "deepseek_v2":     # V2-Lite layout (q_proj, no q LoRA); vLLM's MLA would need 512 + 64
+        return DeepseekV2Config(n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=INTER,
+                                intermediate_size=128, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+                                kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                topk_method="greedy", n_group=1, topk_group=1,
+                                **{**COMMON, "num_key_value_heads": 2})
     if family == "qwen3_moe":
         return Qwen3MoeConfig(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=INTER, intermediate_size=128,
                               mlp_only_layers=[0], norm_topk_prob=True, **COMMON)
@@ -109,7 +116,7 @@ def test_per_expert_linears_compute_the_fused_models_logits(family, tiny):
         got = model(IDS).logits
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     moe_layers = [i for i in range(2) if spec.is_moe_layer(i, model.config)]
-    assert moe_layers == ([1] if family == "qwen3_moe" else [0, 1])
+    assert moe_layers == ([1] if family in ("qwen3_moe", "deepseek_v2") else [0, 1])
     layer = spec.layers(model)[moe_layers[0]]
     assert isinstance(layer.get_submodule(spec.moe.experts_path), LinearExperts)
     names = {spec.to_disk(n) for n in model.state_dict()}
@@ -152,7 +159,7 @@ def test_streaming_reads_fused_on_disk_experts_like_per_expert_files(tmp_path, c
 # ----------------------------------------------------------------- every scheme
 
 CASES = [("qwen3_moe", s) for s in ("w8a8-dynamic", "w4a8", "w8a16", "w4a16")] + \
-        [("mixtral", "w8a8-dynamic"), ("mixtral", "w4a8"), ("qwen2_moe", "w8a8-dynamic"), ("qwen2_moe", "w4a8")]
+        [(f, s) for f in ("mixtral", "qwen2_moe", "deepseek_v2") for s in ("w8a8-dynamic", "w4a8")]
 
 
 @pytest.mark.parametrize("family,scheme", CASES)
@@ -189,9 +196,18 @@ def test_every_expert_scheme_calibrates_verifies_and_tracks_float(family, scheme
         assert desc["model.layers.1.mlp.shared_expert.down_proj.weight"] == s.name
     config = json.loads((out / "config.json").read_text())
     assert config["moe_quantize"] == s.name.lower() and config["quantize"] == s.name.lower()
+    if family == "deepseek_v2":
+        assert desc["model.layers.1.mlp.shared_experts.down_proj.weight"] == s.name
+        assert desc["model.layers.0.mlp.down_proj.weight"] == s.name                # the dense first layer
+        for i in range(2):
+            assert desc[f"model.layers.{i}.self_attn.kv_b_proj.weight"] == FLOAT.name
+            assert desc[f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"] == s.name
+        assert config["mla_quantize"] == s.name.lower()
+    else:
+        assert "mla_quantize" not in config
     notes = " ".join(report.notes)
     assert ("our runtime only" in notes) == (s.activation_bits is None)
-    assert ("no `experts` mapping" in notes) == (family != "qwen3_moe")
+    assert ("no `experts` mapping" in notes) == (family in ("mixtral", "qwen2_moe"))
     with torch.no_grad():
         want = _float_model(tiny[family])(IDS).logits
         got = load_reference_model(out)(IDS).logits
@@ -200,7 +216,7 @@ def test_every_expert_scheme_calibrates_verifies_and_tracks_float(family, scheme
     assert rel < (0.5 if s.weight_bits == 4 else 0.1), rel
 
 
-@pytest.mark.parametrize("family", ("qwen3_moe", "mixtral"))
+@pytest.mark.parametrize("family", ("qwen3_moe", "mixtral", "deepseek_v2"))
 def test_reference_model_of_a_float_moe_checkpoint_is_the_float_model(family, tmp_path, tiny, calib_jsonl):
     """Everything FLOAT: the reference model (per-expert Linears, router, Mixtral's renamed
     block) reproduces the float model to fp32 noise."""
@@ -287,6 +303,22 @@ def test_a_recipe_mixing_expert_schemes_or_static_experts_is_refused(tmp_path, t
     out = tmp_path / "per_layer"
     _calibrate(tiny["qwen3_moe"], out, rec, calib_jsonl)
     assert verify(out).ok
+
+
+def test_mla_refuses_the_int8_kv_cache_and_verify_keeps_kv_b_proj_float(tmp_path, tiny, calib_jsonl):
+    """MLA caches compressed KV, not per-head K/V: a C8 recipe is refused in one line; a
+    quantized kv_b_proj (vllm-ascend asserts it is unquantized) is a verify problem."""
+    rec = recipes.preset("w8a8-dynamic")
+    rec.kv_cache = recipes.KVCache()
+    with pytest.raises(CalibrationError, match="no int8 KV cache"):
+        _calibrate(tiny["deepseek_v2"], tmp_path / "c8", rec, calib_jsonl)
+    out = tmp_path / "ok"
+    _calibrate(tiny["deepseek_v2"], out, recipes.preset("w8a8-dynamic"), calib_jsonl, num_samples=4, seq_len=32)
+    assert verify(out).ok
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    other = next(s for s in SCHEMES.values() if s.linear and s.weight_bits == 8 and s.activation_bits is None)
+    _edit(out, desc_edit=lambda desc: desc.update({name: other.name}))
+    assert any(name in p and "must stay FLOAT" in p for p in verify(out).problems)
 
 
 # ----------------------------------------------------------------- verify, inspect

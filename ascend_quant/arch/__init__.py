@@ -9,12 +9,12 @@ A new family is one new file here with a `SPEC`, added to `FAMILIES`.
 
 from __future__ import annotations
 
-from ascend_quant.arch import gemma, glm4, llama, mixtral, phi3, qwen_moe
+from ascend_quant.arch import deepseek, gemma, glm4, llama, mixtral, phi3, qwen_moe
 from ascend_quant.arch.moe import LinearExperts, MoESpec, experts_of, replace_experts
 from ascend_quant.arch.spec import ArchSpec, GatedMLP, LinearGroup, lean_mlp
 
 FAMILIES: tuple[ArchSpec, ...] = (llama.SPEC, gemma.SPEC, gemma.SPEC_MULTIMODAL, phi3.SPEC, glm4.SPEC,
-                                  qwen_moe.SPEC_QWEN3, qwen_moe.SPEC_QWEN2, mixtral.SPEC)
+                                  qwen_moe.SPEC_QWEN3, qwen_moe.SPEC_QWEN2, mixtral.SPEC, deepseek.SPEC)
 SPECS: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 # Checkpoint tools (verify, convert, inspect) read folders without a config.json (msModelSlim's
 # v0 outputs) or of a family not listed: they check names against the Llama layout, the one

@@ -42,7 +42,7 @@ def _config_get(config, key: str, default=None):
 class MoESpec:
     """Where a family's MoE block sits and how its layers are chosen (paths relative to the
     decoder layer, as transformers names the modules)."""
-    num_experts_key: str                      # config key: number of routed experts
+    num_experts_keys: tuple[str, ...]         # config keys for the number of routed experts (first found)
     linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")   # one expert's gate, up, down
     block: str = "mlp"                        # the sparse MoE block
     disk_block: str | None = None             # the block's name on disk when it differs (Mixtral)
@@ -60,7 +60,7 @@ class MoESpec:
 
     # ------------------------------------------------------------------ layers
     def num_experts(self, config) -> int:
-        return int(_config_get(config, self.num_experts_key, 0) or 0)
+        return int(next((v for k in self.num_experts_keys if (v := _config_get(config, k))), 0) or 0)
 
     def is_moe_layer(self, index: int, config) -> bool:
         if self.num_experts(config) <= 0:

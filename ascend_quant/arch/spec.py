@@ -96,16 +96,19 @@ class ArchSpec:
     layers_path: str = "model.layers"
     # the Linears whose outputs the KV cache stores after RoPE: their checkpoint entries carry
     # C8's kv_cache_scale / kv_cache_offset; the attention function sees them post-RoPE
-    kv_projections: tuple[str, str] = ("self_attn.k_proj", "self_attn.v_proj")
+    kv_projections: tuple[str, ...] = ("self_attn.k_proj", "self_attn.v_proj")   # () : no C8 (MLA)
     vllm_attention: str = "self_attn.attn"      # vLLM's Attention module, relative to the layer
     mlp: GatedMLP | None = None
     notes: tuple[str, ...] = field(default=())
     moe: "MoESpec | None" = None                # Mixture-of-Experts layers (arch/moe.py)
+    attention_module: str | None = None         # the attention module where kv_projections say nothing
+    float_linears: tuple[str, ...] = ()         # Linears that must stay FLOAT (DeepSeek's kv_b_proj)
+    mla_group: str | None = None                # the MLA input group: its scheme is config.json's `mla_quantize`
 
     @property
     def attention(self) -> str:
         """The attention module (relative to the layer) whose function sees post-RoPE K/V."""
-        return self.kv_projections[0].rpartition(".")[0]
+        return self.attention_module or self.kv_projections[0].rpartition(".")[0]
 
     # ------------------------------------------------------------------ model side
     def layers(self, model) -> torch.nn.ModuleList:
@@ -174,7 +177,7 @@ class ArchSpec:
     def kv_role(self, prefix: str) -> str | None:
         """"k" or "v" for the K / V projection of a layer, else None."""
         rel = self.relative(prefix)
-        return {self.kv_projections[0]: "k", self.kv_projections[1]: "v"}.get(rel)
+        return dict(zip(self.kv_projections, "kv")).get(rel)
 
     @staticmethod
     def layer_index(name: str) -> int | None:

@@ -65,20 +65,26 @@ def config_with_quant_method(config: dict, hints: dict[str, str] | None = None) 
 
 def moe_hints(model, results: dict[str, QuantizedLinear]) -> dict[str, str]:
     """msModelSlim's config.json hints for a MoE model: `moe_quantize`, the routed experts'
-    scheme, and `quantize`, the other Linears' most common one, lower-case
-    (`"w8a8_dynamic"`); nothing for a dense model or float experts."""
+    scheme, `quantize`, the other Linears' most common one, and for MLA `mla_quantize`, the
+    scheme of its input group, lower-case (`"w8a8_dynamic"`); nothing for a dense model or
+    float experts."""
     spec = spec_for_model(model)
     if spec.moe is None:
         return {}
-    experts, others = [], []
+    experts, others, mla = [], [], []
+    mla_linears = next((g.linears for g in spec.groups if g.name == spec.mla_group), ())
     for prefix, qlin in results.items():
         rel = spec.relative(prefix)
         (experts if rel is not None and spec.moe.expert_of(rel) is not None else others).append(qlin.scheme)
+        if rel in mla_linears:
+            mla.append(qlin.scheme)
     if not experts:
         return {}
     hints = {"moe_quantize": Counter(experts).most_common(1)[0][0].lower()}
     if others:
         hints["quantize"] = Counter(others).most_common(1)[0][0].lower()
+    if mla:
+        hints["mla_quantize"] = Counter(mla).most_common(1)[0][0].lower()
     return hints
 
 

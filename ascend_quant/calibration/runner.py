@@ -325,6 +325,9 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     (k_scale, v_scale) and a report per layer.
     """
     spec = spec_for_model(model)
+    if recipe.kv_cache and not spec.kv_projections:
+        raise CalibrationError(f"{spec.name}: no int8 KV cache (C8) for this attention (its cache holds no "
+                               "per-head K/V, e.g. MLA); drop kv_cache from the recipe")
     replace_experts(model, spec)            # MoE: per-expert Linears (a no-op when streamed)
     install_attention_hook(model, _dispatch_kv_hook)
     x, kwargs = capture_layer_inputs(model, spec, samples, position_ids)
@@ -426,7 +429,10 @@ def format_reports(reports: list[LayerReport]) -> str:
     for r in reports:
         columns.update(dict.fromkeys(_collapsed(n) for n in r.schemes))
     names = list(columns)
-    short = [n.rpartition(".")[2] if "*" not in n else "e*." + n.rpartition(".")[2] for n in names]
+    leaves = [n.rpartition(".")[2] for n in names]
+    # the last name, or the last two where two columns share it (a shared expert's gate_proj)
+    short = ["e*." + leaf if "*" in n else ".".join(n.split(".")[-2:]) if leaves.count(leaf) > 1 else leaf
+             for n, leaf in zip(names, leaves)]
     widths = [max(9, len(s)) for s in short]
     lines = [f"{'layer':>5}  {'seconds':>7}  " + "  ".join(f"{s:>{w}}" for s, w in zip(short, widths))]
     for r in reports:

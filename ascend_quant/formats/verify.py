@@ -301,6 +301,12 @@ def _check_moe(ckpt: Checkpoint, report: Report) -> None:
             elif desc[key] != FLOAT.name:
                 report.problems.append(f"{dname}: {key!r} is {desc[key]}; the router and shared-expert gate "
                                        f"stay {FLOAT.name} (vLLM builds them unquantized)")
+    for i in range(n_layers if isinstance(n_layers, int) else 0):
+        for rel in spec.float_linears:
+            key = f"{spec.to_disk(spec.join_layer(before, i, rel))}.weight"
+            if key in desc and desc[key] != FLOAT.name:
+                report.problems.append(f"{dname}: {key!r} is {desc[key]}; it must stay {FLOAT.name} "
+                                       "(vllm-ascend's MLA splits it and asserts it is unquantized)")
     if layer_schemes - {FLOAT.name} and not moe.vllm_ascend_maps:
         report.notes.append(f"config.json model_type {ckpt.config.get('model_type')!r}: vllm-ascend 0.23 has no "
                             "`experts` mapping for it and would fail to load the experts (KeyError); vLLM "
