@@ -457,5 +457,6 @@ def format_reports(reports: list[LayerReport]) -> str:
 
 
 def _collapsed(name: str) -> str:
-    """`mlp.experts.*.down_proj` for `mlp.experts.3.down_proj` (a report column for all experts)."""
-    return re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
+    """`mlp.experts.*.down_proj` for `mlp.experts.3.down_proj` (a report column for all
+    experts; inside a layer only an expert's index is a number)."""
+    return re.sub(r"\.\d+\.", ".*.", name)
