@@ -112,7 +112,7 @@ def test_kv_methods():
 def test_recipe_yaml_round_trip_and_overrides(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("scheme: w8a8\nmethod: minmax\nsmoothquant: {alpha: 0.7, alphas: [0.5, 0.9], group_alpha: {down: 0.4}}\n"
-                    "ignore: ['*.down_proj']\n"
+                    "ignore: ['*.down_proj']\nfloat_groups: [o]\n"
                     "kv_cache: {method: absmax}\noverrides:\n  - {match: 'model.layers.0.*', scheme: w8a16}\n")
     r = recipes.load_recipe(path)
     assert r.scheme == "W8A8" and r.smoothquant.alpha == 0.7 and r.kv_cache.method == "absmax"
@@ -120,6 +120,8 @@ def test_recipe_yaml_round_trip_and_overrides(tmp_path):
     assert r.scheme_for("model.layers.3.mlp.down_proj") == "FLOAT"
     assert r.scheme_for("model.layers.0.self_attn.q_proj") == "W8A16"
     assert r.scheme_for("model.layers.1.self_attn.q_proj") == "W8A8"
+    assert r.scheme_for("model.layers.1.self_attn.o_proj", "o") == "FLOAT"     # by role, whatever its name
+    assert r.scheme_for("model.layers.1.self_attn.o_proj", "qkv") == "W8A8"
     again = tmp_path / "again.yaml"
     again.write_text(r.to_yaml())
     assert recipes.load_recipe(again) == r
@@ -575,6 +577,7 @@ def test_unknown_architecture(tmp_path, tiny, calib_jsonl):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512)).save_pretrained(model)
     res = _run(["calibrate", str(model), "-o", str(tmp_path / "q"), "--dataset", calib_jsonl])
     assert res.exit_code == 1 and "architecture 'gpt2'" in res.output and "has no spec" in res.output
+    assert "discovery failed: its decoder layer has no torch Linear" in res.output
     assert cfg["model_type"] == "qwen2"
 
 

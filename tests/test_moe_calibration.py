@@ -297,8 +297,10 @@ def test_a_recipe_mixing_expert_schemes_or_static_experts_is_refused(tmp_path, t
         _calibrate(tiny["qwen3_moe"], tmp_path / "mixed", rec, calib_jsonl)
     with pytest.raises(CalibrationError, match="static activation ranges"):
         _calibrate(tiny["qwen3_moe"], tmp_path / "static", recipes.preset("w8a8"), calib_jsonl)
-    # per layer is fine: layer 1's experts all W8A16, the other Linears W8A8 (static)
+    # per layer is fine: layer 1's experts all W8A16, the other Linears W8A8 (static); the
+    # W8A8 preset's float_groups [down] would keep the experts' down FLOAT (mixed): cleared
     rec = recipes.preset("w8a8")
+    rec.float_groups = []
     rec.overrides = [recipes.Override("*.mlp.experts.*", scheme="w8a16")]
     out = tmp_path / "per_layer"
     _calibrate(tiny["qwen3_moe"], out, rec, calib_jsonl)

@@ -12,6 +12,7 @@ that tensor is, and its kind says how a SmoothQuant factor folds into it:
 |---|---|
 | `rmsnorm` (y = x̂ · w) | w' = w / s |
 | `rmsnorm_offset` (y = x̂ · (1 + w), Gemma) | w' = (1 + w) / s - 1 (never a `.bias`) |
+| `layernorm` (y = x̂ · w + b, x̂ mean-centred or not; found by discovery) | w' = w / s, b' = b / s |
 | `linear_rows` (a Linear whose rows feed the group, e.g. up_proj for down_proj) | rows' = rows / s |
 | none | the group takes no smoothing |
 
@@ -35,14 +36,18 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-PRODUCER_KINDS = ("rmsnorm", "rmsnorm_offset", "linear_rows")
+PRODUCER_KINDS = ("rmsnorm", "rmsnorm_offset", "layernorm", "linear_rows")
 # decoder layers are `<...>.layers.<i>.` in every family's checkpoint names (HF and vLLM alike)
 LAYER_PATTERN = r"\.layers\.\d+\."
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+class UnsupportedModelError(Exception):
+    """The model's architecture has no spec and none can be discovered; the message names what is missing."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,26 @@ class ArchSpec:
     attention_module: str | None = None         # the attention module where kv_projections say nothing
     float_linears: tuple[str, ...] = ()         # Linears that must stay FLOAT (DeepSeek's kv_b_proj)
     mla_group: str | None = None                # the MLA input group: its scheme is config.json's `mla_quantize`
+    discovered: bool = False                    # built by arch/discovery.py (notes: its report)
+
+    def to_dict(self) -> dict:
+        """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back.
+        Discovered specs are dense: a MoE spec (`moe`) is never saved."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ArchSpec":
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+        try:
+            groups = tuple(LinearGroup(**{k: tup(v) for k, v in g.items()}) for g in d["groups"])
+            mlp = GatedMLP(**d["mlp"]) if d.get("mlp") else None
+            if d.get("moe"):
+                raise ValueError("a saved spec has no MoE layers")
+            rest = {k: tup(v) for k, v in d.items() if k not in ("groups", "mlp", "moe")}
+            return cls(groups=groups, mlp=mlp, **rest)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UnsupportedModelError(f"saved architecture spec is not readable: {e}") from None
 
     @property
     def attention(self) -> str:
@@ -128,9 +153,10 @@ class ArchSpec:
             return self.groups
         return self.moe.layer_groups(self.groups, self.moe.num_experts(config))
 
-    def missing_modules(self, layer: torch.nn.Module, groups: tuple[LinearGroup, ...] | None = None) -> list[str]:
-        groups = self.groups if groups is None else groups
-        wanted = [n for g in groups for n in g.linears] + [g.producer for g in groups if g.producer]
+    def missing_modules(self, layer: torch.nn.Module, wanted: list[str] | None = None) -> list[str]:
+        """The spec's Linears and producers (or `wanted`) the decoder layer does not have."""
+        if wanted is None:
+            wanted = self.linear_names() + [g.producer for g in self.groups if g.producer]
         return [n for n in wanted if not _has(layer, n)]
 
     def to_disk(self, name: str) -> str:

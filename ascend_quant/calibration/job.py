@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ascend_quant.arch import spec_for_model
+from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, spec_for_model
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.runner import LayerReport, quantize_model
@@ -99,6 +99,7 @@ class CalibrationResult:
     num_samples: int
     seq_len: int
     reports: list[LayerReport]
+    spec: ArchSpec | None = None                  # the architecture spec used (discovered: notes say how)
 
 
 @dataclass
@@ -200,13 +201,15 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             bar.close()
     tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
     config = config_with_quant_method(read_json(local / "config.json"), moe_hints(model, results))
+    if spec.discovered:               # the checkpoint tools and vLLM read it back (spec_for_config)
+        config[SAVED_SPEC_KEY] = spec.to_dict()
     base_model, license_ = source_identity(model_id, local)
     meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
             "num_samples": n_samples, "seq_len": int(seq_len),
             "dataset": _dataset_name(dataset), "seed": seed}
     files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
              "ascend_quant_calibration.json": json.dumps(
-                 {**meta, "seconds": round(time.perf_counter() - start, 2),
+                 {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                               "errors": r.errors, "smoothquant_alphas": r.alphas,
                               **({"expert_tokens": r.expert_tokens, "expert_fallbacks": r.fallbacks}
@@ -220,7 +223,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             return loaded.stream.read([model_name], _float_dtype(source_dtype))[model_name]
     write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                      metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
-    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports)
+    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports, spec)
 
 
 def _dataset_name(dataset: str | None) -> str:

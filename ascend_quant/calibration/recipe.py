@@ -11,7 +11,8 @@ overrides matched with shell-style patterns on the module name:
     gptq: {damp: 0.01, block_size: 128, act_order: true}
     kv_cache: {dtype: int8, method: mse}
     moe: {tokens: routed, min_tokens: 32}        # MoE experts (see MoE below)
-    ignore: ["lm_head", "*.mlp.down_proj"]       # left in float
+    ignore: ["lm_head"]           # module patterns left in float
+    float_groups: [down]          # Linear groups left in float, by role (qkv, o, gate_up, down)
     overrides:
       - {match: "model.layers.0.*", scheme: w8a8-dynamic}
 
@@ -104,12 +105,15 @@ class Recipe:
     kv_cache: KVCache | None = None
     moe: MoE = field(default_factory=MoE)
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    # Linear groups left in float, by the architecture spec's role names (qkv, o, gate_up,
+    # down): the same Linears in every family, whatever their modules are called
+    float_groups: list[str] = field(default_factory=list)
     overrides: list[Override] = field(default_factory=list)
 
     # ------------------------------------------------------------ per-layer resolution
-    def scheme_for(self, module: str) -> str:
-        """The description type for a Linear (FLOAT if ignored)."""
-        if any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
+    def scheme_for(self, module: str, group: str | None = None) -> str:
+        """The description type for a Linear of the spec group `group` (FLOAT if ignored)."""
+        if group in self.float_groups or any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
             return FLOAT.name
         scheme = self.scheme
         for o in self.overrides:
@@ -169,7 +173,7 @@ def _apply(recipe: Recipe, data: dict, where: str) -> None:
             for o in recipe.overrides:
                 if o.scheme:
                     normalize_scheme(o.scheme)
-        elif key in ("method", "group_size", "ignore"):
+        elif key in ("method", "group_size", "ignore", "float_groups"):
             setattr(recipe, key, value)
         else:
             raise RecipeError(f"{where}: unknown key {key!r}")
@@ -234,6 +238,9 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: moe.tokens must be routed or all, moe.min_tokens a count >= 0")
     groups = {g.name for spec in FAMILIES
               for g in spec.groups + ((spec.moe.groups + spec.moe.shared_groups) if spec.moe else ())}
+    if set(recipe.float_groups) - groups:
+        raise RecipeError(f"{where}: float_groups: unknown group(s) "
+                          f"{', '.join(sorted(set(recipe.float_groups) - groups))} (groups: {', '.join(sorted(groups))})")
     if sq and set(sq.group_alpha) - groups:
         raise RecipeError(f"{where}: smoothquant.group_alpha: unknown group(s) "
                           f"{', '.join(sorted(set(sq.group_alpha) - groups))} (groups: {', '.join(sorted(groups))})")

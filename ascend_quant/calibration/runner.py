@@ -75,7 +75,7 @@ class _GroupHook:
         self.valid = valid.reshape(-1)
         self.all_valid = bool(self.valid.all())    # then `flat` below is a view, not a copy
         self.modules = {name: layer.get_submodule(name) for name in group.linears}
-        self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}") for name in group.linears}
+        self.schemes = {name: recipe.scheme_for(f"{prefix}.{name}", group.name) for name in group.linears}
         self.source: torch.Tensor | None = None     # the input as it arrived
         self.transformed: torch.Tensor | None = None
         self.seen_by_scheme: dict[str, torch.Tensor] = {}
@@ -208,19 +208,20 @@ def expert_scheme(spec: ArchSpec, groups: tuple[LinearGroup, ...], prefix: str, 
     schemes across them (vLLM and vllm-ascend hold a layer's experts in one tensor per
     name) or gives them static activation ranges (vllm-ascend has no static-W8A8 experts; the
     experts take per-token dynamic activations, W4A8 per-channel, or weight-only schemes)."""
-    schemes = {f"{prefix}.{n}": recipe.scheme_for(f"{prefix}.{n}") for g in groups if g.expert is not None
+    schemes = {f"{prefix}.{n}": recipe.scheme_for(f"{prefix}.{n}", g.name) for g in groups if g.expert is not None
                for n in g.linears}
     distinct = sorted(set(schemes.values()))
+    static = next((d for d in distinct if SCHEMES[d].activation_mode == "static"), None)
+    if static is not None:
+        raise CalibrationError(f"{prefix}: MoE experts cannot be {static} (static activation ranges); use "
+                               f"w8a8-dynamic, w4a8, w8a16 or w4a16 for them, e.g. an override "
+                               f"{{match: '*.{spec.moe.experts_path}.*', scheme: w8a8-dynamic}}")
     if len(distinct) > 1:
         shown = ", ".join(f"{next(n for n, s in schemes.items() if s == d)}={d}" for d in distinct)
         raise CalibrationError(f"{prefix}: the experts of one MoE layer take one scheme, the recipe gives "
-                               f"{shown} (overrides must cover every expert of the layer alike)")
-    scheme = distinct[0]
-    if SCHEMES[scheme].activation_mode == "static":
-        raise CalibrationError(f"{prefix}: MoE experts cannot be {scheme} (static activation ranges); use "
-                               f"w8a8-dynamic, w4a8, w8a16 or w4a16 for them, e.g. an override "
-                               f"{{match: '*.{spec.moe.experts_path}.*', scheme: w8a8-dynamic}}")
-    return scheme
+                               f"{shown} (overrides, ignore and float_groups must cover every expert Linear "
+                               "of the layer alike)")
+    return distinct[0]
 
 
 _KV_HOOK_ATTR = "_ascend_quant_kv_hook"
@@ -355,7 +356,10 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                   for g in layer_groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
-        attention = layer.get_submodule(spec.attention)
+        if recipe.kv_cache and spec.missing_modules(layer, [spec.attention]):
+            raise CalibrationError(f"{spec.name}: no attention module {spec.attention!r} for the int8 KV cache "
+                                   "(see the spec's notes)")
+        attention = layer.get_submodule(spec.attention) if recipe.kv_cache else None
         running = recipe.activations.observer == "running"
         if recipe.kv_cache and not running:
             kvq = _KVQuantizer(recipe.kv_cache.method, valid)

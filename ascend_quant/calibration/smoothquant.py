@@ -66,11 +66,12 @@ def search_alpha(x: torch.Tensor, act_absmax: torch.Tensor, weights: list[torch.
 def apply_smoothing(producer: torch.nn.Module, consumers: list[torch.nn.Module], s: torch.Tensor,
                     kind: str | None = None, rows: slice = slice(None)) -> None:
     """Divide the producer's output channels by s, multiply the consumers' input columns by s.
-    `kind` is the producer's (arch.spec.PRODUCER_KINDS); "rmsnorm_offset" folds into 1 + w.
+    `kind` is the producer's (arch.spec.PRODUCER_KINDS); "rmsnorm_offset" folds into 1 + w,
+    a norm's bias (`layernorm`) is divided by s like its gain.
     `rows`: the producer's channels the consumers read (the up half of a fused gate_up_proj)."""
     if isinstance(producer, torch.nn.Linear):
         producer.weight[rows].div_(s.to(producer.weight.dtype).unsqueeze(1))  # [k, in] rows
-    else:                                                                     # RMSNorm [k]
+    else:                                                                     # a norm's gain [k]
         producer.weight[rows].copy_(numerics.smoothed_norm_gain(producer.weight[rows], s,
                                                                 kind == "rmsnorm_offset"))
     if getattr(producer, "bias", None) is not None:

@@ -103,7 +103,8 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ascend_quant.arch import replace_experts, spec_for_model
+        from ascend_quant.arch import SPECS, replace_experts, spec_for_model
+        from ascend_quant.arch.discovery import find_layers
 
         self.folder, self.device = Path(folder), device
         self.files = WeightFiles(self.folder)
@@ -112,8 +113,13 @@ class StreamedModel:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.eval()
         self.model = model
-        self.spec = spec_for_model(model)
-        replace_experts(model, self.spec)           # per-expert Linears, still on meta
+        explicit = getattr(config, "model_type", None) in SPECS
+        # without an explicit spec the layers are found by structure now, the rest is probed
+        # below on the embeddings and layer 0 (discovery needs their weights)
+        self.spec = spec_for_model(model) if explicit else None
+        if explicit:
+            replace_experts(model, self.spec)       # MoE: per-expert Linears, still on meta
+        layers_path = self.spec.layers_path if explicit else find_layers(model)
         names = list(model.state_dict())
         shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -131,20 +137,27 @@ class StreamedModel:
         missing = [n for n in needed if n not in self.sources]
         if missing:
             raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
-        layers = self.spec.layers_path + "."
+        layers = layers_path + "."
         self.outer_names = [n for n in needed if not n.startswith(layers)]
         self.layer_names: dict[int, list[str]] = defaultdict(list)
         for n in needed:
             if n.startswith(layers):
                 self.layer_names[int(n[len(layers):].split(".", 1)[0])].append(n)
         self.reload_outer()
+        if not explicit:
+            self.load_layer(0)
+            try:
+                spec_for_model(model)             # discovered once, kept with the model
+            finally:
+                self.release(self.layer_names[0])
+        self.spec = spec_for_model(model)
 
     def _source(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple | None] | None:
         """Where tensor `name` (a model state-dict name of `shape`) is read from, or None."""
-        disk = self.spec.to_disk(name)
+        disk = self.spec.to_disk(name) if self.spec is not None else name
         if disk in self.files.where:
             return disk, None
-        moe = self.spec.moe
+        moe = self.spec.moe if self.spec is not None else None
         rel = self.spec.relative(name)
         if moe is None or rel is None or moe.expert_of(rel) is None or not rel.endswith(".weight"):
             return None

@@ -75,6 +75,9 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
     except KeyboardInterrupt:
         raise click.ClickException("interrupted: nothing was written") from None
     write_card(result.out)          # README.md, from the checkpoint just written
+    if result.spec is not None and result.spec.discovered:
+        click.echo(f"no explicit architecture spec for {result.spec.name}: discovered (saved in config.json)")
+        click.echo("\n".join(f"  {line}" for line in result.spec.notes))
     click.echo(format_reports(result.reports))
     click.echo(f"wrote {result.out} ({recipe.scheme}, {result.num_samples} samples x {result.seq_len} tokens, "
                f"{result.seconds:.1f} s)")

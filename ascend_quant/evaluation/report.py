@@ -51,14 +51,12 @@ class EvalResult:
         os.replace(tmp, path)
 
 
-def _layer_outputs(model, windows: torch.Tensor) -> list[torch.Tensor]:
+def _layer_outputs(model, windows: torch.Tensor, spec) -> list[torch.Tensor]:
     """Hidden states after every decoder layer for one batch."""
-    from ascend_quant.arch import spec_for_model
-
     outs: list[torch.Tensor] = []
     hooks = [layer.register_forward_hook(
         lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o).detach()))
-        for layer in spec_for_model(model).layers(model)]
+        for layer in spec.layers(model)]
     try:
         with torch.inference_mode():
             model(input_ids=windows, use_cache=False)
@@ -72,6 +70,7 @@ def evaluate(float_model: str, quantized: str, dataset: str | None = None, token
              seq_len: int = 512, with_vllm: bool = False) -> EvalResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ascend_quant.arch import spec_for_config
     from ascend_quant.calibration.data import eval_windows, load_texts
     from ascend_quant.formats.ascend import CheckpointError
     from ascend_quant.runtime.reference_model import load_reference_model
@@ -92,7 +91,9 @@ def evaluate(float_model: str, quantized: str, dataset: str | None = None, token
     fppl = perplexity(fmodel, windows)
     qppl = perplexity(qmodel, windows)
     probe = windows[:1]
-    ref, got = _layer_outputs(fmodel, probe), _layer_outputs(qmodel, probe)
+    # the checkpoint's spec (a discovered one is saved in its config.json) for both models
+    spec = spec_for_config(qmodel.config.to_dict())
+    ref, got = _layer_outputs(fmodel, probe, spec), _layer_outputs(qmodel, probe, spec)
     errors = [((g - r).norm() / r.norm().clamp(min=1e-12)).item() for r, g in zip(ref, got)]
     vppl = None
     if with_vllm:           # the same windows through vLLM with our `ascend` method, fp32 like the simulation

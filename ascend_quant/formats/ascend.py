@@ -271,7 +271,8 @@ def _check_meta(desc_file: Path, meta: dict) -> None:
 
 
 def _check_config(file: Path, config: dict) -> None:
-    """The geometry keys verify and inspect compute with must be positive integers."""
+    """The geometry keys verify and inspect compute with must be positive integers, and a saved
+    architecture spec readable."""
     text = config.get("text_config")
     if text is not None and not isinstance(text, dict):
         raise CheckpointError(f"{file}: 'text_config' is {_json_kind(text)}; expected an object")
@@ -280,6 +281,11 @@ def _check_config(file: Path, config: dict) -> None:
             value = cfg.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise CheckpointError(f"{file}: {key!r} is {value!r}; expected a positive integer")
+    from ascend_quant.arch import UnsupportedModelError, spec_for_config
+    try:                    # a discovered architecture spec saved by calibration must read back
+        spec_for_config(config)
+    except UnsupportedModelError as e:
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def text_config(config: dict | None) -> dict:

@@ -56,7 +56,7 @@ class W8A8(Scheme):
     # of such outliers costs more than it saves, while the range that minimises the Linears'
     # output error ("mse") beats plain min-max (measured, see README)
     preset = {"method": "gptq", "smoothquant": {"alpha": 0.8}, "gptq": {"mse_scales": False},
-              "activations": {"observer": "mse"}, "ignore": ["lm_head", "*.mlp.down_proj"]}
+              "activations": {"observer": "mse"}, "float_groups": ["down"]}
 
     def tensor_specs(self, n, k, group_size=0, *, two_stage=False, row_parallel=False, tp_size=1):
         return {
