@@ -12,10 +12,12 @@ always win. Calibration saves a discovered spec in the output's config.json unde
 
 from __future__ import annotations
 
-from ascend_quant.arch import gemma, glm4, llama, phi3
+from ascend_quant.arch import deepseek, gemma, glm4, llama, mixtral, phi3, qwen_moe
+from ascend_quant.arch.moe import LinearExperts, MoESpec, experts_of, replace_experts
 from ascend_quant.arch.spec import ArchSpec, GatedMLP, LinearGroup, UnsupportedModelError, lean_mlp
 
-FAMILIES: tuple[ArchSpec, ...] = (llama.SPEC, gemma.SPEC, gemma.SPEC_MULTIMODAL, phi3.SPEC, glm4.SPEC)
+FAMILIES: tuple[ArchSpec, ...] = (llama.SPEC, gemma.SPEC, gemma.SPEC_MULTIMODAL, phi3.SPEC, glm4.SPEC,
+                                  qwen_moe.SPEC_QWEN3, qwen_moe.SPEC_QWEN2, mixtral.SPEC, deepseek.SPEC)
 SPECS: dict[str, ArchSpec] = {t: spec for spec in FAMILIES for t in spec.model_types}
 # Checkpoint tools (verify, convert, inspect) read folders without a config.json (msModelSlim's
 # v0 outputs) or of a family not listed: they check names against the Llama layout, the one
@@ -44,9 +46,17 @@ def spec_for_model(model) -> ArchSpec:
                                             ) from None
             setattr(model, _CACHE_ATTR, spec)
         return spec
-    missing = spec.missing_modules(spec.layers(model)[0])
-    if missing:
-        raise UnsupportedModelError(f"{model_type}: decoder layer has no {', '.join(missing)}")
+    layers = spec.layers(model)
+    kinds = {spec.is_moe_layer(i, model.config): i for i in reversed(range(len(layers)))}
+    for moe, i in kinds.items():     # the first layer of each kind (dense, MoE)
+        groups = spec.groups if not moe else \
+            tuple(g for g in spec.layer_groups(i, model.config) if g.expert is None)
+        wanted = [n for g in groups for n in g.linears] + [g.producer for g in groups if g.producer]
+        if moe:
+            wanted += [spec.moe.router_path, spec.moe.experts_path, *spec.moe.float_modules]
+        missing = spec.missing_modules(layers[i], wanted)
+        if missing:
+            raise UnsupportedModelError(f"{model_type}: decoder layer {i} has no {', '.join(missing)}")
     return spec
 
 
@@ -62,5 +72,6 @@ def spec_for_config(config: dict | None) -> ArchSpec:
     return spec or DEFAULT
 
 
-__all__ = ["ArchSpec", "GatedMLP", "LinearGroup", "lean_mlp", "FAMILIES", "SPECS", "DEFAULT",
+__all__ = ["ArchSpec", "GatedMLP", "LinearGroup", "lean_mlp", "LinearExperts", "MoESpec", "experts_of",
+           "replace_experts", "FAMILIES", "SPECS", "DEFAULT",
            "UnsupportedModelError", "SAVED_SPEC_KEY", "spec_for_model", "spec_for_config"]

@@ -25,6 +25,11 @@ reads only the up half of gate_up_proj, so its fold divides rows `chunk 1 of 2` 
 `sole_consumer` says nothing else reads the producer's output (the residual stream takes the
 un-normed sum), which both makes the fold an equivalence and lets calibration transform the
 input in place.
+
+A Mixture-of-Experts layer (`ArchSpec.moe`, arch/moe.py) replaces the dense MLP groups by
+one gate/up and one down group per routed expert (templated on `{e}`), plus any shared
+expert's groups; the router and shared-expert gate stay FLOAT. Which layers are MoE is read
+from the config (`MoESpec.is_moe_layer`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class LinearGroup:
     on_disk: tuple[str, ...] = ()
     # (index, count): the group reads rows chunk `index` of `count` of its Linear producer
     producer_chunk: tuple[int, int] | None = None
+    expert: int | None = None      # a routed expert's group: its index (the names hold it)
 
     def __post_init__(self):
         if (self.producer is None) != (self.producer_kind is None) or \
@@ -95,17 +101,22 @@ class ArchSpec:
     layers_path: str = "model.layers"
     # the Linears whose outputs the KV cache stores after RoPE: their checkpoint entries carry
     # C8's kv_cache_scale / kv_cache_offset; the attention function sees them post-RoPE
-    kv_projections: tuple[str, str] = ("self_attn.k_proj", "self_attn.v_proj")
+    kv_projections: tuple[str, ...] = ("self_attn.k_proj", "self_attn.v_proj")   # () : no C8 (MLA)
     vllm_attention: str = "self_attn.attn"      # vLLM's Attention module, relative to the layer
     mlp: GatedMLP | None = None
     notes: tuple[str, ...] = field(default=())
+    moe: "MoESpec | None" = None                # Mixture-of-Experts layers (arch/moe.py)
+    attention_module: str | None = None         # the attention module where kv_projections say nothing
+    float_linears: tuple[str, ...] = ()         # Linears that must stay FLOAT (DeepSeek's kv_b_proj)
+    mla_group: str | None = None                # the MLA input group: its scheme is config.json's `mla_quantize`
     discovered: bool = False                    # built by arch/discovery.py (notes: its report)
     # why vllm-ascend 0.23 cannot load this family's checkpoints as written (verify notes it;
     # our runtime serves them), or None
     vllm_ascend_gap: str | None = None
 
     def to_dict(self) -> dict:
-        """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back."""
+        """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back.
+        Discovered specs are dense: a MoE spec (`moe`) is never saved."""
         return asdict(self)
 
     @classmethod
@@ -115,7 +126,9 @@ class ArchSpec:
         try:
             groups = tuple(LinearGroup(**{k: tup(v) for k, v in g.items()}) for g in d["groups"])
             mlp = GatedMLP(**d["mlp"]) if d.get("mlp") else None
-            rest = {k: tup(v) for k, v in d.items() if k not in ("groups", "mlp")}
+            if d.get("moe"):
+                raise ValueError("a saved spec has no MoE layers")
+            rest = {k: tup(v) for k, v in d.items() if k not in ("groups", "mlp", "moe")}
             return cls(groups=groups, mlp=mlp, **rest)
         except (KeyError, TypeError, ValueError) as e:
             raise UnsupportedModelError(f"saved architecture spec is not readable: {e}") from None
@@ -123,7 +136,7 @@ class ArchSpec:
     @property
     def attention(self) -> str:
         """The attention module (relative to the layer) whose function sees post-RoPE K/V."""
-        return self.kv_projections[0].rpartition(".")[0]
+        return self.attention_module or self.kv_projections[0].rpartition(".")[0]
 
     # ------------------------------------------------------------------ model side
     def layers(self, model) -> torch.nn.ModuleList:
@@ -132,16 +145,42 @@ class ArchSpec:
     def linear_names(self) -> list[str]:
         return [name for g in self.groups for name in g.linears]
 
+    def is_moe_layer(self, index: int, config) -> bool:
+        """Whether decoder layer `index` of a model with this config (object or dict) is MoE."""
+        return self.moe is not None and self.moe.is_moe_layer(index, config)
+
+    def layer_groups(self, index: int, config) -> tuple[LinearGroup, ...]:
+        """The groups of decoder layer `index`: the dense ones, or for a MoE layer the dense
+        ones but the MLP's, the shared expert's and each routed expert's."""
+        if not self.is_moe_layer(index, config):
+            return self.groups
+        return self.moe.layer_groups(self.groups, self.moe.num_experts(config))
+
     def missing_modules(self, layer: torch.nn.Module, wanted: list[str] | None = None) -> list[str]:
         """The spec's Linears and producers (or `wanted`) the decoder layer does not have."""
         if wanted is None:
             wanted = self.linear_names() + [g.producer for g in self.groups if g.producer]
         return [n for n in wanted if not _has(layer, n)]
 
+    def to_disk(self, name: str) -> str:
+        """A model (state-dict or module) name as the checkpoint spells it (Mixtral's MoE block
+        is `mlp` in transformers 5, `block_sparse_moe` on disk and in vLLM)."""
+        return self.moe.to_disk(name) if self.moe is not None else name
+
+    def from_disk(self, name: str) -> str:
+        """The inverse of `to_disk`."""
+        return self.moe.from_disk(name) if self.moe is not None else name
+
     # ------------------------------------------------------------------ checkpoint names
     def group_of(self, prefix: str) -> LinearGroup | None:
         """The group a checkpoint Linear (`model.layers.3.self_attn.q_proj`) belongs to."""
         rel = self.relative(prefix)
+        if rel is not None and self.moe is not None:
+            rel = self.moe.template(self.moe.from_disk_relative(rel))
+            moe_groups = self.moe.groups + self.moe.shared_groups
+            found = next((g for g in moe_groups if rel in g.linears), None)
+            if found is not None:
+                return found
         return next((g for g in self.groups if rel in g.linears), None)
 
     def relative(self, prefix: str) -> str | None:
@@ -167,7 +206,7 @@ class ArchSpec:
     def kv_role(self, prefix: str) -> str | None:
         """"k" or "v" for the K / V projection of a layer, else None."""
         rel = self.relative(prefix)
-        return {self.kv_projections[0]: "k", self.kv_projections[1]: "v"}.get(rel)
+        return dict(zip(self.kv_projections, "kv")).get(rel)
 
     @staticmethod
     def layer_index(name: str) -> int | None:

@@ -146,13 +146,15 @@ def fake_quantized_inputs(x: torch.Tensor, subsample: torch.Tensor, quantized: d
 
 # ---------------------------------------------------------------------- quantize
 
-def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str) -> dict:
+def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
+          method: str | None = None, group_size: int | None = None) -> dict:
     """How one member's weight w [n, k] is rounded: method, group size and, for two-stage
-    int4, the fixed scales s1 [n, 1] and s2 [n, k // g]."""
+    int4, the fixed scales s1 [n, 1] and s2 [n, k // g] (`method`, `group_size`: instead of
+    the recipe's)."""
     info = SCHEMES[scheme]
-    method = recipe.method_for(f"{prefix}.{name}")
+    method = method or recipe.method_for(f"{prefix}.{name}")
     k = w.shape[1]
-    gs = info.group_size_for(recipe.group_size)
+    gs = info.group_size_for(recipe.group_size if group_size is None else group_size)
     if gs and k % gs:
         raise CalibrationError(
             f"{prefix}.{name}: in-features {k} are not divisible by --group-size {gs}; "
@@ -195,13 +197,16 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
 def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.Tensor | None],
                      quantized: dict[str, str], inputs: dict[str, torch.Tensor], subsample: torch.Tensor,
                      sub_inputs: dict[str, torch.Tensor], qparams: ActivationQParams, row_parallel: bool,
-                     recipe: Recipe, prefix: str) -> dict[str, QuantizedLinear]:
+                     recipe: Recipe, prefix: str, method: str | None = None,
+                     group_size: int | None = None) -> dict[str, QuantizedLinear]:
     """The quantized members (`quantized`: name -> scheme) from their weights [n, k] and
     biases, their scheme's input tokens `inputs[scheme]` [t, k] (GPTQ's Hessian) and the
     group's activation range. Each one's `error` is its relative output error on the float
     `subsample` against its fake-quantized copy `sub_inputs[scheme]` (weight and activation
-    rounding both count). `prefix` names the layer (recipe overrides, errors)."""
-    plans = {name: _plan(name, scheme, weights[name].float(), recipe, prefix) for name, scheme in quantized.items()}
+    rounding both count). `prefix` names the layer (recipe overrides, errors); `method` and
+    `group_size` replace the recipe's (an expert's min-max fallback, per-channel experts)."""
+    plans = {name: _plan(name, scheme, weights[name].float(), recipe, prefix, method, group_size)
+             for name, scheme in quantized.items()}
     rounded = _round(plans, inputs, recipe)
     linears: dict[str, QuantizedLinear] = {}
     for name, plan in plans.items():

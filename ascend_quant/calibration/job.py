@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
     for prefix, qlin in results.items():
-        for name, (t, kind) in checkpoint_entries(qlin, prefix, model_dtype).items():
+        for name, (t, kind) in checkpoint_entries(qlin, spec.to_disk(prefix), model_dtype).items():
             tensors[name], types[name] = t, kind
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, param in model.state_dict().items():
@@ -37,8 +38,9 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
         if prefix in results or (tied and name == "lm_head.weight"):
             continue
         dtype = _float_dtype(model_dtype)
-        tensors[name] = torch.empty(param.shape, dtype=dtype, device="meta") if param.is_meta else param.detach().to(dtype)
-        types[name] = FLOAT.name
+        disk = spec.to_disk(name)        # the router and persistent buffers too (e_score_correction_bias)
+        tensors[disk] = torch.empty(param.shape, dtype=dtype, device="meta") if param.is_meta else param.detach().to(dtype)
+        types[disk] = FLOAT.name
     for layer_prefix, (k_scale, v_scale) in kv_scales.items():      # C8 scales sit on the K/V projections
         for proj, scale in zip(spec.kv_projections, (k_scale, v_scale)):
             for name, (t, kind) in kv_entries(f"{layer_prefix}.{proj}", scale).items():
@@ -50,13 +52,40 @@ def _float_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if model_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
 
 
-def config_with_quant_method(config: dict) -> dict:
+def config_with_quant_method(config: dict, hints: dict[str, str] | None = None) -> dict:
     """config.json for the output: msModelSlim drops quantization_config; we add ours so that
     vLLM picks the `ascend` method without --quantization (the writer puts the description in
-    it, which vllm-ascend needs)."""
+    it, which vllm-ascend needs). `hints`: top-level keys such as MoE's `quantize` /
+    `moe_quantize` (`moe_hints`)."""
     cfg = json.loads(json.dumps(config))
+    cfg.update(hints or {})
     cfg["quantization_config"] = {"quant_method": "ascend"}
     return cfg
+
+
+def moe_hints(model, results: dict[str, QuantizedLinear]) -> dict[str, str]:
+    """msModelSlim's config.json hints for a MoE model: `moe_quantize`, the routed experts'
+    scheme, `quantize`, the other Linears' most common one, and for MLA `mla_quantize`, the
+    scheme of its input group, lower-case (`"w8a8_dynamic"`); nothing for a dense model or
+    float experts."""
+    spec = spec_for_model(model)
+    if spec.moe is None:
+        return {}
+    experts, others, mla = [], [], []
+    mla_linears = next((g.linears for g in spec.groups if g.name == spec.mla_group), ())
+    for prefix, qlin in results.items():
+        rel = spec.relative(prefix)
+        (experts if rel is not None and spec.moe.expert_of(rel) is not None else others).append(qlin.scheme)
+        if rel in mla_linears:
+            mla.append(qlin.scheme)
+    if not experts:
+        return {}
+    hints = {"moe_quantize": Counter(experts).most_common(1)[0][0].lower()}
+    if others:
+        hints["quantize"] = Counter(others).most_common(1)[0][0].lower()
+    if mla:
+        hints["mla_quantize"] = Counter(mla).most_common(1)[0][0].lower()
+    return hints
 
 
 def read_json(path: Path) -> dict:
@@ -171,7 +200,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         if bar is not None:
             bar.close()
     tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
-    config = config_with_quant_method(read_json(local / "config.json"))
+    config = config_with_quant_method(read_json(local / "config.json"), moe_hints(model, results))
     if spec.discovered:               # the checkpoint tools and vLLM read it back (spec_for_config)
         config[SAVED_SPEC_KEY] = spec.to_dict()
     base_model, license_ = source_identity(model_id, local)
@@ -182,13 +211,16 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
              "ascend_quant_calibration.json": json.dumps(
                  {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
-                              "errors": r.errors, "smoothquant_alphas": r.alphas} for r in reports]}, indent=2)}
+                              "errors": r.errors, "smoothquant_alphas": r.alphas,
+                              **({"expert_tokens": r.expert_tokens, "expert_fallbacks": r.fallbacks}
+                                 if r.expert_tokens else {})} for r in reports]}, indent=2)}
     files.update(extra_files or {})
     group_size = group_size_for(recipe, results)
     loader = None
     if loaded.stream is not None:
-        def loader(name: str) -> torch.Tensor:
-            return loaded.stream.files.read([name], _float_dtype(source_dtype))[name]
+        def loader(name: str) -> torch.Tensor:          # a checkpoint name: read by its model name
+            model_name = loaded.stream.spec.from_disk(name)
+            return loaded.stream.read([model_name], _float_dtype(source_dtype))[model_name]
     write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                      metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
     return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports, spec)

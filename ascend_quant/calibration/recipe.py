@@ -10,6 +10,7 @@ overrides matched with shell-style patterns on the module name:
     activations: {observer: percentile, percentile: 99.99}
     gptq: {damp: 0.01, block_size: 128, act_order: true}
     kv_cache: {dtype: int8, method: mse}
+    moe: {tokens: routed, min_tokens: 32}        # MoE experts (see MoE below)
     ignore: ["lm_head"]           # module patterns left in float
     float_groups: [down]          # Linear groups left in float, by role (qkv, o, gate_up, down)
     overrides:
@@ -77,6 +78,16 @@ class KVCache:
 
 
 @dataclass
+class MoE:
+    # routed: each expert is calibrated on the tokens the router sends it; one with fewer
+    # than `min_tokens` real tokens falls back to min-max weights (no smoothing, no GPTQ) and
+    # the report names it. all: every token runs through every expert for its statistics
+    # (its output still takes only the routed tokens), so no expert lacks data
+    tokens: str = "routed"
+    min_tokens: int = 32
+
+
+@dataclass
 class Override:
     match: str
     scheme: str | None = None         # a CLI or description name; "float" keeps the Linear in float
@@ -92,6 +103,7 @@ class Recipe:
     activations: Activations = field(default_factory=Activations)
     gptq: GPTQ = field(default_factory=GPTQ)
     kv_cache: KVCache | None = None
+    moe: MoE = field(default_factory=MoE)
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     # Linear groups left in float, by the architecture spec's role names (qkv, o, gate_up,
     # down): the same Linears in every family, whatever their modules are called
@@ -154,6 +166,8 @@ def _apply(recipe: Recipe, data: dict, where: str) -> None:
             recipe.gptq = _build(GPTQ, value, at)
         elif key == "kv_cache":
             recipe.kv_cache = _build(KVCache, value, at)
+        elif key == "moe":
+            recipe.moe = _build(MoE, value, at) or MoE()
         elif key == "overrides":
             recipe.overrides = [_build(Override, o, f"{at}[{i}]") for i, o in enumerate(value or [])]
             for o in recipe.overrides:
@@ -219,7 +233,11 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
     if sq and not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0
                       for a in [sq.alpha, *sq.alphas, *sq.group_alpha.values()]):
         raise RecipeError(f"{where}: smoothquant alpha, alphas and group_alpha must be within [0, 1]")
-    groups = {g.name for spec in FAMILIES for g in spec.groups}
+    if recipe.moe.tokens not in ("routed", "all") or not isinstance(recipe.moe.min_tokens, int) \
+            or recipe.moe.min_tokens < 0:
+        raise RecipeError(f"{where}: moe.tokens must be routed or all, moe.min_tokens a count >= 0")
+    groups = {g.name for spec in FAMILIES
+              for g in spec.groups + ((spec.moe.groups + spec.moe.shared_groups) if spec.moe else ())}
     if set(recipe.float_groups) - groups:
         raise RecipeError(f"{where}: float_groups: unknown group(s) "
                           f"{', '.join(sorted(set(recipe.float_groups) - groups))} (groups: {', '.join(sorted(groups))})")

@@ -10,17 +10,23 @@ The attention hook sees post-RoPE K/V, chooses the C8 scales and fake-quantizes 
 every observation is made on the smoothed, already-quantized-upstream activations, in a
 single forward per layer, and the layer's output (what the next layer is calibrated on) is
 the quantized one.
+
+MoE layers run with per-expert Linears (arch/moe.py): each expert's groups are calibrated on
+the tokens the router sends it (or, with `moe.tokens: all`, on every token), an expert with
+fewer than `moe.min_tokens` real tokens (or none) gets min-max weights and is named in the
+report, and a layer's experts take one scheme with per-token (or no) activation quantization.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ascend_quant import memory
-from ascend_quant.arch import ArchSpec, LinearGroup, lean_mlp, spec_for_model
+from ascend_quant.arch import ArchSpec, LinearExperts, LinearGroup, experts_of, lean_mlp, replace_experts, spec_for_model
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_smoothing, error_sample, fake_quantized_inputs,
@@ -44,6 +50,8 @@ class LayerReport:
     schemes: dict[str, str] = field(default_factory=dict)     # linear -> scheme
     errors: dict[str, float] = field(default_factory=dict)    # linear -> relative output error
     alphas: dict[str, float | None] = field(default_factory=dict)   # smoothed group -> alpha (None: none)
+    expert_tokens: dict[str, int] = field(default_factory=dict)     # MoE: expert -> real routed tokens
+    fallbacks: dict[str, int] = field(default_factory=dict)         # experts given min-max weights -> tokens
 
 
 # --------------------------------------------------------------------------- hooks
@@ -60,8 +68,9 @@ class _GroupHook:
     model and sets the fake-quantized weights; each member then gets the input it computes with."""
 
     def __init__(self, layer: torch.nn.Module, group: LinearGroup, prefix: str, recipe: Recipe,
-                 results: dict[str, QuantizedLinear], valid: torch.Tensor):
+                 results: dict[str, QuantizedLinear], valid: torch.Tensor, experts: LinearExperts | None = None):
         self.layer, self.group, self.prefix, self.recipe, self.results = layer, group, prefix, recipe, results
+        self.experts = experts                    # a routed expert's group: its layer's experts
         self.valid2d = valid                      # [N, L] bool: real tokens, not padding
         self.valid = valid.reshape(-1)
         self.all_valid = bool(self.valid.all())    # then `flat` below is a view, not a copy
@@ -74,6 +83,8 @@ class _GroupHook:
         self.alpha: float | None = None            # the smoothing applied (None: none)
         self.smoothed = False
         self.touched: set[str] = set()             # modules (layer-relative) whose weights changed
+        self.tokens: int | None = None             # an expert's real tokens (None: never reached)
+        self.fallback = False                      # an expert given min-max weights (too few tokens)
 
     def pre_hook(self, module, args):
         x = args[0]
@@ -81,6 +92,8 @@ class _GroupHook:
             raise AssertionError(f"{self.prefix}: group {self.group.name} saw a second input in one forward")
         if not self.fed:
             self.source = x
+            if self.experts is not None:
+                self._expert_tokens(x)
             self.transformed = self._quantize(x)
         seen = self._activation_for(module, self.transformed)
         self.fed.add(module)
@@ -90,6 +103,24 @@ class _GroupHook:
             self.source = self.transformed = None
             self.seen_by_scheme.clear()
         return (seen,)
+
+    def _expert_tokens(self, x: torch.Tensor) -> None:
+        """An expert's input [t, k]: which of its tokens are real, and whether they are enough."""
+        valid = self.experts.routed_valid
+        self.valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if valid is None else valid
+        self.all_valid = bool(self.valid.all())
+        self.tokens = int(self.valid.sum())
+        self.fallback = self.tokens < max(self.recipe.moe.min_tokens, 1) and \
+            not all(is_float(s) for s in self.schemes.values())
+
+    def quantize_unreached(self) -> None:
+        """An expert the router sent no token: min-max weights from nothing but the weights."""
+        weight = next(iter(self.modules.values())).weight
+        self.valid = torch.ones(0, dtype=torch.bool)
+        self.all_valid, self.tokens = True, 0
+        self.fallback = not all(is_float(s) for s in self.schemes.values())
+        self._quantize(torch.empty(0, weight.shape[1], dtype=weight.dtype))
+        self.fed.update(self.modules.values())
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         """[real tokens, k]: a view when there is no padding."""
@@ -128,8 +159,8 @@ class _GroupHook:
         weights = {name: m.weight for name, m in self.modules.items()}
         # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
         producer = self.layer.get_submodule(group.producer) if group.producer is not None else None
-        self.smoothed = producer is not None and smooths(recipe, quantized.values(),
-                                                         isinstance(producer, torch.nn.Linear))
+        self.smoothed = producer is not None and not self.fallback and \
+            smooths(recipe, quantized.values(), isinstance(producer, torch.nn.Linear))
         s = None
         if self.smoothed:
             self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
@@ -154,8 +185,11 @@ class _GroupHook:
         del inputs
         # 4. the weights: GPTQ on the group's shared Hessian, or min-max
         biases = {name: m.bias for name, m in self.modules.items()}
+        expert = self.experts is not None
         linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
-                                   group.row_parallel, recipe, self.prefix)
+                                   group.row_parallel, recipe, self.prefix,
+                                   method="minmax" if self.fallback else None,
+                                   group_size=0 if expert and _activations_quantized(quantized) else None)
         for name, qlin in linears.items():
             module = self.modules[name]
             module.weight.data = qlin.dequantized().to(module.weight.dtype)
@@ -163,6 +197,31 @@ class _GroupHook:
         del seen, linears
         memory.trim()
         return x
+
+
+def _activations_quantized(quantized: dict[str, str]) -> bool:
+    return any(SCHEMES[s].activation_bits is not None for s in quantized.values())
+
+
+def expert_scheme(spec: ArchSpec, groups: tuple[LinearGroup, ...], prefix: str, recipe: Recipe) -> str:
+    """The one scheme of a MoE layer's routed experts; a CalibrationError if the recipe mixes
+    schemes across them (vLLM and vllm-ascend hold a layer's experts in one tensor per
+    name) or gives them static activation ranges (vllm-ascend has no static-W8A8 experts; the
+    experts take per-token dynamic activations, W4A8 per-channel, or weight-only schemes)."""
+    schemes = {f"{prefix}.{n}": recipe.scheme_for(f"{prefix}.{n}", g.name) for g in groups if g.expert is not None
+               for n in g.linears}
+    distinct = sorted(set(schemes.values()))
+    static = next((d for d in distinct if SCHEMES[d].activation_mode == "static"), None)
+    if static is not None:
+        raise CalibrationError(f"{prefix}: MoE experts cannot be {static} (static activation ranges); use "
+                               f"w8a8-dynamic, w4a8, w8a16 or w4a16 for them, e.g. an override "
+                               f"{{match: '*.{spec.moe.experts_path}.*', scheme: w8a8-dynamic}}")
+    if len(distinct) > 1:
+        shown = ", ".join(f"{next(n for n, s in schemes.items() if s == d)}={d}" for d in distinct)
+        raise CalibrationError(f"{prefix}: the experts of one MoE layer take one scheme, the recipe gives "
+                               f"{shown} (overrides, ignore and float_groups must cover every expert Linear "
+                               "of the layer alike)")
+    return distinct[0]
 
 
 _KV_HOOK_ATTR = "_ascend_quant_kv_hook"
@@ -267,6 +326,10 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     (k_scale, v_scale) and a report per layer.
     """
     spec = spec_for_model(model)
+    if recipe.kv_cache and not spec.kv_projections:
+        raise CalibrationError(f"{spec.name}: no int8 KV cache (C8) for this attention (its cache holds no "
+                               "per-head K/V, e.g. MLA); drop kv_cache from the recipe")
+    replace_experts(model, spec)            # MoE: per-expert Linears (a no-op when streamed)
     install_attention_hook(model, _dispatch_kv_hook)
     x, kwargs = capture_layer_inputs(model, spec, samples, position_ids)
     if stream is not None:       # embeddings and head are not needed again until the checkpoint is written
@@ -283,7 +346,14 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         if stream is not None:              # streamed: this layer's float weights arrive now
             stream.load_layer(i)
         prefix = f"{spec.layers_path}.{i}"
-        groups = [_GroupHook(layer, g, prefix, recipe, results, valid) for g in spec.groups]
+        layer_groups = spec.layer_groups(i, model.config)
+        experts = experts_of(layer, spec)
+        if experts is not None:
+            expert_scheme(spec, layer_groups, prefix, recipe)
+            experts.token_mask, experts.counts = valid.reshape(-1), {}
+            experts.all_tokens = recipe.moe.tokens == "all"
+        groups = [_GroupHook(layer, g, prefix, recipe, results, valid, experts if g.expert is not None else None)
+                  for g in layer_groups]
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
         if recipe.kv_cache and spec.missing_modules(layer, [spec.attention]):
@@ -303,7 +373,12 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                 h.remove()
             if kvq is not None:
                 delattr(attention, _KV_HOOK_ATTR)
+            if experts is not None:
+                experts.token_mask, experts.all_tokens = None, False
         x = out[0] if isinstance(out, tuple) else out
+        for gq in groups:                   # experts the router sent no token
+            if gq.experts is not None and not gq.fed:
+                gq.quantize_unreached()
         if running and recipe.kv_cache:
             # msModelSlim's dynamic_cache unit: a second pass with the final ranges, observing K/V
             x, kvq = _final_pass(layer, attention, x_in, kwargs, results, prefix, recipe, valid)
@@ -321,7 +396,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
             stream.release([f"{prefix}.{n}" for n, _ in layer.named_parameters()
                             if n.rpartition(".")[0] not in touched and f"{prefix}.{n.rpartition('.')[0]}" not in results])
         memory.trim()                       # this layer's temporaries, back to the system
-        report = _layer_report(i, time.perf_counter() - start, groups, results, prefix)
+        report = _layer_report(i, time.perf_counter() - start, groups, results, prefix, experts, spec)
         reports.append(report)
         if progress is not None:
             progress(report)
@@ -329,28 +404,63 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
 
 
 def _layer_report(index: int, seconds: float, groups: list[_GroupHook], results: dict[str, QuantizedLinear],
-                  prefix: str) -> LayerReport:
+                  prefix: str, experts: LinearExperts | None = None, spec: ArchSpec | None = None) -> LayerReport:
     report = LayerReport(index, seconds)
+    dense = {g.name for g in spec.groups} if spec is not None else set()
     for gq in groups:
         for name, scheme in gq.schemes.items():
             report.schemes[name] = scheme
             if not is_float(scheme):
                 report.errors[name] = results[f"{prefix}.{name}"].error
         if gq.smoothed:
-            report.alphas[gq.group.name] = gq.alpha
+            # a MoE layer's shared-expert and expert groups are named by where they sit
+            moe_group = experts is not None and (gq.group.expert is not None or gq.group.name in dense
+                                                 and gq.group.linears[0].startswith(spec.moe.block + "."))
+            key = f"{gq.group.linears[0].rpartition('.')[0]}.{gq.group.name}" if moe_group else gq.group.name
+            report.alphas[key] = gq.alpha
+    if experts is not None:
+        base = spec.moe.experts_path
+        report.expert_tokens = {f"{base}.{e}": n for e, n in sorted(experts.counts.items())}
+        for gq in groups:
+            if gq.experts is not None and gq.fallback:
+                report.fallbacks[f"{base}.{gq.group.expert}"] = gq.tokens or 0
     return report
 
 
 def format_reports(reports: list[LayerReport]) -> str:
     """The end-of-run summary: per layer, the schemes and the relative output error per Linear."""
-    names = list(reports[0].schemes) if reports else []
-    short = [n.rpartition(".")[2] for n in names]
-    lines = [f"{'layer':>5}  {'seconds':>7}  " + "  ".join(f"{s:>9}" for s in short)]
+    columns: dict[str, None] = {}          # Linear names, experts collapsed to `experts.*.<name>`
+    for r in reports:
+        columns.update(dict.fromkeys(_collapsed(n) for n in r.schemes))
+    names = list(columns)
+    leaves = [n.rpartition(".")[2] for n in names]
+    # the last name, or the last two where two columns share it (a shared expert's gate_proj)
+    short = ["e*." + leaf if "*" in n else ".".join(n.split(".")[-2:]) if leaves.count(leaf) > 1 else leaf
+             for n, leaf in zip(names, leaves)]
+    widths = [max(9, len(s)) for s in short]
+    lines = [f"{'layer':>5}  {'seconds':>7}  " + "  ".join(f"{s:>{w}}" for s, w in zip(short, widths))]
     for r in reports:
         cells = []
-        for n in names:
-            cells.append(f"{'float':>9}" if is_float(r.schemes[n]) else f"{r.errors.get(n, 0.0):>9.4f}")
+        for n, w in zip(names, widths):
+            members = [m for m in r.schemes if _collapsed(m) == n]
+            if not members:
+                cells.append(f"{'-':>{w}}")
+            elif all(is_float(r.schemes[m]) for m in members):
+                cells.append(f"{'float':>{w}}")
+            else:                            # experts: the worst one
+                cells.append(f"{max(r.errors.get(m, 0.0) for m in members):>{w}.4f}")
         lines.append(f"{r.index:>5}  {r.seconds:>7.2f}  " + "  ".join(cells))
     schemes = sorted({s for r in reports for s in r.schemes.values()})
-    lines.append(f"(relative output error per Linear on calibration tokens; schemes: {', '.join(schemes)})")
+    lines.append(f"(relative output error per Linear on calibration tokens, experts: the worst; "
+                 f"schemes: {', '.join(schemes)})")
+    for r in reports:
+        if r.fallbacks:
+            shown = ", ".join(f"{e} ({n} tokens)" for e, n in r.fallbacks.items())
+            lines.append(f"layer {r.index}: min-max fallback for {shown}")
     return "\n".join(lines)
+
+
+def _collapsed(name: str) -> str:
+    """`mlp.experts.*.down_proj` for `mlp.experts.3.down_proj` (a report column for all
+    experts; inside a layer only an expert's index is a number)."""
+    return re.sub(r"\.\d+\.", ".*.", name)

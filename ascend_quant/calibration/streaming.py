@@ -6,6 +6,12 @@ copy), so streaming keeps the resident float weights at the embeddings plus one 
 instead of the whole model, and a model larger than RAM calibrates as long as one layer and
 its activations fit. Tensors are read as private copies through short-lived file handles,
 so no memory map of the checkpoint stays resident.
+
+MoE layers are swapped for per-expert Linears (arch/moe.py) before the names are matched:
+their tensors are the per-expert ones on disk (`experts.E.gate_proj.weight`, under the
+disk's block name), or one expert's slice of a fused-on-disk `experts.gate_up_proj`
+[E, 2I, H] (gate rows first) or `experts.down_proj` [E, H, I], read alone (also stored
+transposed, [E, H, 2I] / [E, I, H], as some exports do).
 """
 
 from __future__ import annotations
@@ -73,6 +79,22 @@ class WeightFiles:
                     out[name] = t.to(device=device, dtype=dtype, copy=True)
         return out
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        with _open(self.where[name]) as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def read_index(self, name: str, index: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+        """`name[index]` alone (one expert of a fused tensor), as a private copy."""
+        from safetensors import SafetensorError
+
+        path = self.where[name]
+        with _open(path) as f:
+            try:
+                t = f.get_slice(name)[index]
+            except (SafetensorError, OSError) as e:
+                raise _unreadable(path, e) from None
+            return t.to(device=device, dtype=dtype, copy=True)
+
 
 class StreamedModel:
     """A transformers causal LM whose decoder layers are loaded on demand."""
@@ -81,7 +103,7 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ascend_quant.arch import SPECS, spec_for_model
+        from ascend_quant.arch import SPECS, replace_experts, spec_for_model
         from ascend_quant.arch.discovery import find_layers
 
         self.folder, self.device = Path(folder), device
@@ -94,14 +116,25 @@ class StreamedModel:
         explicit = getattr(config, "model_type", None) in SPECS
         # without an explicit spec the layers are found by structure now, the rest is probed
         # below on the embeddings and layer 0 (discovery needs their weights)
-        layers_path = spec_for_model(model).layers_path if explicit else find_layers(model)
+        self.spec = spec_for_model(model) if explicit else None
+        if explicit:
+            replace_experts(model, self.spec)       # MoE: per-expert Linears, still on meta
+        layers_path = self.spec.layers_path if explicit else find_layers(model)
         names = list(model.state_dict())
+        shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         out_emb = model.get_output_embeddings()
         tied_name = next((n for n, p in model.named_parameters(remove_duplicate=False)
                           if out_emb is not None and p is out_emb.weight and n.startswith("lm_head")), None)
         needed = [n for n in names if not (self.tied and n == tied_name)]
-        missing = [n for n in needed if n not in self.files.where]
+        # model name -> (disk name, None) or, for one expert's slice of a fused tensor,
+        # (disk name, (expert, row chunk of 2 or None, transposed))
+        self.sources: dict[str, tuple[str, tuple | None]] = {}
+        for n in needed:
+            source = self._source(n, shapes[n])
+            if source is not None:
+                self.sources[n] = source
+        missing = [n for n in needed if n not in self.sources]
         if missing:
             raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
         layers = layers_path + "."
@@ -119,6 +152,49 @@ class StreamedModel:
                 self.release(self.layer_names[0])
         self.spec = spec_for_model(model)
 
+    def _source(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple | None] | None:
+        """Where tensor `name` (a model state-dict name of `shape`) is read from, or None."""
+        disk = self.spec.to_disk(name) if self.spec is not None else name
+        if disk in self.files.where:
+            return disk, None
+        moe = self.spec.moe if self.spec is not None else None
+        rel = self.spec.relative(name)
+        if moe is None or rel is None or moe.expert_of(rel) is None or not rel.endswith(".weight"):
+            return None
+        e = moe.expert_of(rel)
+        role = moe.linears.index(rel[:-len(".weight")].rpartition(".")[2])
+        base = self.spec.to_disk(name[: len(name) - len(rel)] + moe.experts_path)
+        fused = f"{base}.{'down_proj' if role == 2 else 'gate_up_proj'}"
+        fused = next((f for f in (fused, fused + ".weight") if f in self.files.where), None)
+        if fused is None:
+            return None
+        fshape = self.files.shape(fused)[1:]
+        rows = shape[0] * (1 if role == 2 else 2)
+        if fshape == (rows, shape[1]):
+            transposed = False
+        elif fshape == (shape[1], rows):
+            transposed = True
+        else:
+            raise CalibrationError(f"{fused}: shape {list(self.files.shape(fused))} does not hold expert {e}'s "
+                                   f"{list(shape)} {moe.linears[role]}")
+        return fused, (e, None if role == 2 else role, transposed)
+
+    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Tensors by model state-dict name, from their source (whole, or one expert's slice)."""
+        direct = {self.sources[n][0]: n for n in names if self.sources[n][1] is None}
+        out = {direct[d]: t for d, t in self.files.read(list(direct), dtype, self.device).items()}
+        for n in names:
+            disk, part = self.sources[n]
+            if part is None:
+                continue
+            e, chunk, transposed = part
+            t = self.files.read_index(disk, e, dtype, self.device)
+            t = t.t() if transposed else t
+            if chunk is not None:
+                t = t.chunk(2, dim=0)[chunk]
+            out[n] = t.contiguous()
+        return out
+
     def _set(self, name: str, tensor: torch.Tensor) -> None:
         """Put `tensor` in the model under its state-dict name (parameter or buffer)."""
         module_name, _, attr = name.rpartition(".")
@@ -129,7 +205,7 @@ class StreamedModel:
             module._buffers[attr] = tensor
 
     def _load(self, names: list[str]) -> None:
-        for name, tensor in self.files.read(names, torch.float32, self.device).items():
+        for name, tensor in self.read(names, torch.float32).items():
             self._set(name, tensor)
 
     def _tie(self) -> None:

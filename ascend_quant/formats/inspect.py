@@ -1,4 +1,5 @@
-"""Summarise a checkpoint: per module, its scheme, bits and bytes, and the size against float."""
+"""Summarise a checkpoint: per module, its scheme, bits and bytes, and the size against float;
+per MoE layer, its experts, their scheme and whether the router is FLOAT."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from ascend_quant.arch import spec_for_config
 from ascend_quant.formats.ascend import Checkpoint, kv_geometry, text_config
-from ascend_quant.schemes import KV_SUFFIXES, SCHEMES, is_kv
+from ascend_quant.schemes import FLOAT, KV_SUFFIXES, SCHEMES, is_kv
 
 
 @dataclass
@@ -68,6 +69,7 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
         "kv_cache_tokens_per_gib": kv_tokens_per_gib(ckpt, fsize),
         "float_dtype": str(dtype).replace("torch.", ""),
         "modules": [asdict(r) for r in rows],
+        "moe_layers": moe_layers(ckpt),
         "totals": {
             "bytes": total,
             "float_bytes": total_float,
@@ -77,6 +79,39 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
             "quantized_linear_float_bytes": sum(r.float_bytes for r in quantized),
         },
     }
+
+
+def moe_layers(ckpt: Checkpoint) -> list[dict]:
+    """Per MoE layer found in the checkpoint: its index, how many experts it holds, their
+    scheme(s) and whether the router is stored FLOAT (by the family's spec; [] for dense)."""
+    spec = spec_for_config(ckpt.config)
+    if spec.moe is None:
+        return []
+    modules = ckpt.modules()
+    by_layer: dict[int, dict] = {}
+    for prefix, mod in modules.items():
+        rel = spec.relative(prefix)
+        if rel is None:
+            continue
+        rel = spec.moe.from_disk_relative(rel)
+        e = spec.moe.expert_of(rel)
+        if e is None:
+            continue
+        i = spec.layer_index(prefix)
+        entry = by_layer.setdefault(i, {"layer": i, "experts": set(), "schemes": set()})
+        entry["experts"].add(e)
+        if mod.weight_scheme:
+            entry["schemes"].add(mod.weight_scheme)
+        before = spec.split_layer(prefix)[0]
+        entry["router"] = spec.to_disk(spec.join_layer(before, i, spec.moe.router_path))
+    out = []
+    for i in sorted(by_layer):
+        entry = by_layer[i]
+        schemes = sorted(entry["schemes"])
+        router = ckpt.description.get(entry["router"] + ".weight")
+        out.append({"layer": i, "experts": len(entry["experts"]), "scheme": schemes[0] if len(schemes) == 1 else schemes,
+                    "router_float": router == FLOAT.name})
+    return out
 
 
 def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
@@ -115,6 +150,10 @@ def format_summary(summary: dict) -> str:
     if kv:
         lines.append(f"KV cache: {kv['stored']:,} tokens per GiB ({kv['float']:,} in {summary['float_dtype']}; "
                      f"{kv['c8_layers']} int8 layers)")
+    for m in summary.get("moe_layers", []):
+        scheme = m["scheme"] if isinstance(m["scheme"], str) else "mixed " + "/".join(m["scheme"])
+        router = "router FLOAT" if m["router_float"] else "router NOT FLOAT"
+        lines.append(f"MoE layer {m['layer']}: {m['experts']} experts {scheme}, {router}")
     ql, qf = t["quantized_linear_bytes"], t["quantized_linear_float_bytes"]
     if qf:
         lines.append(f"quantized Linears: {t['quantized_linears']}, {ql:,} bytes vs {qf:,} in "

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from ascend_quant import numerics
-from ascend_quant.formats.ascend import Checkpoint, CheckpointError, TensorInfo, kv_geometry, read_checkpoint
+from ascend_quant.formats.ascend import (Checkpoint, CheckpointError, TensorInfo, kv_geometry, read_checkpoint,
+                                         text_config)
 from ascend_quant.formats.checks import checkpoint_value_problems
 from ascend_quant.arch import spec_for_config
-from ascend_quant.schemes import C8, KV_SUFFIXES, SCHEMES, is_kv, is_linear
+from ascend_quant.schemes import C8, FLOAT, KV_SUFFIXES, SCHEMES, is_kv, is_linear
 
 
 @dataclass
@@ -49,6 +50,7 @@ def verify(path: str | Path) -> Report:
     for prefix in ckpt.modules():
         _check_deq_dtype(ckpt, prefix, report)
     _check_layers_complete(ckpt, report)
+    _check_moe(ckpt, report)
     _check_fused(ckpt, report)
     report.problems.extend(checkpoint_value_problems(ckpt))
     gap = spec_for_config(ckpt.config).vllm_ascend_gap
@@ -229,7 +231,8 @@ def _numel(shape) -> int:
 
 
 def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
-    """Every decoder layer has the same Linear `.weight` keys (a missing one is a KeyError)."""
+    """Every decoder layer has the same Linear `.weight` keys as the others of its kind (dense,
+    MoE) (a missing one is a KeyError)."""
     spec = spec_for_config(ckpt.config)
     by_layer: dict[int, set[tuple[str, str]]] = {}     # layer -> (text before, after the layer index)
     for name in ckpt.description:
@@ -240,8 +243,10 @@ def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
     if not isinstance(n_layers, int):
         n_layers = max(by_layer) + 1 if by_layer else 0
     union = set().union(*by_layer.values()) if by_layer else set()
+    kind = {i: ckpt.config is not None and spec.is_moe_layer(i, ckpt.config) for i in by_layer}
+    unions = {k: set().union(*(by_layer[i] for i in by_layer if kind[i] == k)) for k in set(kind.values())}
     for i in sorted(i for i in by_layer if i < n_layers):
-        for before, after in sorted(union - by_layer[i]):
+        for before, after in sorted(unions[kind[i]] - by_layer[i]):
             key = spec.join_layer(before, i, after)
             report.problems.append(f"{ckpt.description_file.name}: layer {i} has no key {key!r} "
                                    "(every Linear needs a .weight entry)")
@@ -250,6 +255,88 @@ def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
         first = [i for i in range(present + 3) if i not in by_layer][:3]
         report.problems.append(f"{ckpt.description_file.name}: no keys for {n_layers - present} of {n_layers} "
                                f"layers (first: {', '.join(map(str, first))}); every Linear needs a .weight entry")
+
+
+def _check_moe(ckpt: Checkpoint, report: Report) -> None:
+    """MoE layers (by config.json): every routed expert has every Linear and the same tensors
+    as the others, one scheme for all of a layer's experts, one vllm-ascend 0.23 serves
+    (notes for ours-only schemes and unmapped families), the router and shared-expert gate
+    present as FLOAT."""
+    spec = spec_for_config(ckpt.config)
+    moe = spec.moe
+    if moe is None or ckpt.config is None:
+        return
+    desc, modules, dname = ckpt.description, ckpt.modules(), ckpt.description_file.name
+    splits = [spec.split_layer(n) for n in desc]
+    before = next((sp[0] for sp in splits if sp), spec.layers_path)
+    n_layers = text_config(ckpt.config).get("num_hidden_layers", 0)
+    num = moe.num_experts(ckpt.config)
+    layer_schemes: set[str] = set()
+    for i in range(n_layers if isinstance(n_layers, int) else 0):
+        if not spec.is_moe_layer(i, ckpt.config):
+            continue
+        name = lambda rel: spec.to_disk(spec.join_layer(before, i, rel))  # noqa: E731
+        if not any(n.startswith(name(moe.experts_path) + ".") for n in desc):
+            continue            # a layer without keys at all: _check_layers_complete says so
+        schemes: dict[str, str] = {}
+        for role in range(3):
+            prefixes = [name(moe.expert_linear(e, role)) for e in range(num)]
+            suffixes = {p: modules[p].suffixes if p in modules else set() for p in prefixes}
+            union = set().union(*suffixes.values())
+            for p in prefixes:
+                for suffix in sorted(union - set(suffixes[p])):
+                    report.problems.append(f"{dname}: MoE layer {i} has no {p}.{suffix} (every one of its "
+                                           f"{num} experts needs every tensor the others have)")
+                if p in modules and modules[p].weight_scheme is not None:
+                    schemes[p] = modules[p].weight_scheme
+        distinct = sorted(set(schemes.values()))
+        if len(distinct) > 1:
+            shown = ", ".join(f"{next(p for p, s in schemes.items() if s == d)}={d}" for d in distinct)
+            report.problems.append(f"{dname}: the experts of MoE layer {i} mix schemes ({shown}); vLLM holds "
+                                   "a layer's experts in one tensor per name and vllm-ascend reads expert 0's type")
+        elif distinct:
+            layer_schemes.add(distinct[0])
+            _check_expert_scheme(ckpt, i, distinct[0], name(moe.expert_linear(0, 0)), report)
+        for rel in (moe.router_path, *moe.float_modules):
+            key = f"{name(rel)}.weight"
+            if key not in desc:
+                report.problems.append(f"{dname}: MoE layer {i} has no {key!r} (kept FLOAT; vLLM needs the key)")
+            elif desc[key] != FLOAT.name:
+                report.problems.append(f"{dname}: {key!r} is {desc[key]}; the router and shared-expert gate "
+                                       f"stay {FLOAT.name} (vLLM builds them unquantized)")
+    for i in range(n_layers if isinstance(n_layers, int) else 0):
+        for rel in spec.float_linears:
+            key = f"{spec.to_disk(spec.join_layer(before, i, rel))}.weight"
+            if key in desc and desc[key] != FLOAT.name:
+                report.problems.append(f"{dname}: {key!r} is {desc[key]}; it must stay {FLOAT.name} "
+                                       "(vllm-ascend's MLA splits it and asserts it is unquantized)")
+    if layer_schemes - {FLOAT.name} and not moe.vllm_ascend_maps:
+        report.notes.append(f"config.json model_type {ckpt.config.get('model_type')!r}: vllm-ascend 0.23 has no "
+                            "`experts` mapping for it and would fail to load the experts (KeyError); vLLM "
+                            "with our plugin loads it")
+
+
+def _check_expert_scheme(ckpt: Checkpoint, layer: int, scheme_name: str, first: str, report: Report) -> None:
+    """What vllm-ascend 0.23 does with a layer's expert scheme (property rules, no names):
+    per-token dynamic int activations with per-channel weights load; static ranges raise
+    NotImplementedError; weight-only experts of this format it does not load."""
+    scheme = SCHEMES.get(scheme_name)
+    if scheme is None or not scheme.linear:
+        return
+    dname = ckpt.description_file.name
+    if scheme.activation_mode == "static":
+        report.problems.append(f"{dname}: MoE layer {layer} experts are {scheme_name} (static activation "
+                               "ranges): vllm-ascend 0.23 raises NotImplementedError and our runtime has no "
+                               "static-range experts; calibrate them W8A8_DYNAMIC or W4A8_DYNAMIC")
+    elif scheme.activation_mode == "none":
+        report.notes.append(f"MoE layer {layer} experts are {scheme_name}: served by our runtime only "
+                            "(vllm-ascend 0.23 loads W8A8_DYNAMIC / W4A8_DYNAMIC per-channel experts)")
+    else:
+        shapes = {n[len(first) + 1:]: tuple(info.shape) for n, info in ckpt.infos.items()
+                  if n.startswith(first + ".")}
+        if scheme.layout_of(shapes, ckpt.group_size)[1]:
+            report.notes.append(f"MoE layer {layer} experts are per-group {scheme_name}: vllm-ascend 0.23 loads "
+                                "them, later versions serve per-channel experts only")
 
 
 def _check_fused(ckpt: Checkpoint, report: Report) -> None:

@@ -6,6 +6,9 @@ kernels from the stored tensors (each scheme's `prepare`/`forward` in `ascend_qu
 tensors load as they are; RMSNorm `.bias` tensors left by smoothing are added after the norm;
 with `kv_cache=True` the C8 scales fake-quantize post-RoPE keys and values per channel.
 The evaluation's quantized perplexity and the vLLM tests compare against this model.
+MoE layers run per-expert Linears (arch/moe.py: each expert through its scheme, the router
+FLOAT, the eager routing); checkpoint names are mapped to module names by the spec
+(Mixtral's `block_sparse_moe` is `mlp` in memory).
 
 Speed: weight-only schemes (W8A16, W4A16) precompute the dequantized weight once and run a
 float matmul; int8 x int8 products use `torch._int_mm` (exact int32 accumulation) with the
@@ -21,7 +24,7 @@ from torch import nn
 
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import CheckpointError, read_checkpoint
-from ascend_quant.arch import ArchSpec, spec_for_config
+from ascend_quant.arch import ArchSpec, replace_experts, spec_for_config
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.runtime.kernels import backend as kernel_backend
 from ascend_quant.schemes import LINEAR_SCHEMES, PreparedLinear, is_float, is_kv
@@ -77,9 +80,11 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     softcap = getattr(getattr(config, "text_config", config), "attn_logit_softcapping", None)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, **({"attn_implementation": "eager"} if softcap else {}))
     model.eval()
-    tensors = ckpt.tensors()
+    spec = spec_for_config(ckpt.config)
+    replace_experts(model, spec)
+    tensors = {spec.from_disk(n): t for n, t in ckpt.tensors().items()}
     b = kernel_backend(backend)
-    modules = ckpt.modules()
+    modules = {spec.from_disk(p): m for p, m in ckpt.modules().items()}
     float_state: dict[str, torch.Tensor] = {}
     norm_biases: dict[str, torch.Tensor] = {}
     kv_scales: dict[str, torch.Tensor] = {}
@@ -121,7 +126,7 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     for prefix, bias in norm_biases.items():
         _set_module(model, prefix, NormWithBias(model.get_submodule(prefix), bias))
     if kv_cache and kv_scales:
-        enable_c8_simulation(model, kv_scales, spec_for_config(ckpt.config))
+        enable_c8_simulation(model, kv_scales, spec)
     return model
 
 
