@@ -30,6 +30,7 @@ from ascend_quant import numerics  # noqa: E402
 from ascend_quant.runtime import kernels  # noqa: E402
 from ascend_quant.runtime.kernels.moe import routed_experts  # noqa: E402
 from ascend_quant.schemes import PreparedLinear, QuantizedLinear, get_scheme  # noqa: E402
+from test_vllm_runtime import MAX_TOKENS, PROMPTS, run_engine as runtime_engine  # noqa: E402
 from moe_helpers import (  # noqa: E402
     NUM_EXPERTS, build_tiny_moe, dequantized_expert, fake_quant_per_token, quantize_experts, reference_model,
 )
@@ -45,20 +46,10 @@ VARIANTS = {"qwen3-W8A8_DYNAMIC": ("qwen3_moe", "W8A8_DYNAMIC", 0, ()),
             "qwen2-W8A8_DYNAMIC-shared": ("qwen2_moe", "W8A8_DYNAMIC", 0, ("shared_expert.",))}
 MOE_LAYERS = {"qwen3_moe": (0, 1), "mixtral": (0, 1), "qwen2_moe": (1,)}
 COMPILED = ("qwen3-W8A8_DYNAMIC", "qwen3-W4A8_DYNAMIC")
-PROMPTS = [list(range(1, 24)), [5, 77, 140, 3, 99, 250, 31, 8], [300, 301, 40, 41, 42, 7, 7, 7, 12, 400, 17]]
-MAX_TOKENS = 10
 # float32 end to end; what is left is summation order (vLLM's CPU attention against sdpa, the
 # int8 GEMM against a float one on dequantized weights): measured <= 2e-6 here. A per-token
 # int8 code landing on the other side of a rounding boundary would move a log-prob by ~1e-4.
 LOGPROB_TOL = 2e-3
-
-
-def _free_engine(llm) -> None:
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 def _served_experts(model) -> list[dict]:
@@ -84,22 +75,7 @@ def _served_experts(model) -> list[dict]:
 
 def run_engine(path: Path, **kwargs):
     """(greedy tokens and log-probs per prompt, what the engine served the experts with)."""
-    from vllm import LLM
-
-    args = dict(quantization="ascend", enforce_eager=True, dtype="float32", max_model_len=128, seed=0, max_num_seqs=4)
-    args.update(kwargs)
-    llm = LLM(str(path), **args)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True),
-                            use_tqdm=False)
-        result = []
-        for o in outs:
-            c = o.outputs[0]
-            result.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
-        return result, llm.apply_model(_served_experts)[0]
-    finally:
-        _free_engine(llm)
+    return runtime_engine(path, PROMPTS, inspect=_served_experts, **kwargs)
 
 
 @pytest.fixture(scope="module")

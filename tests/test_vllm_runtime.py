@@ -66,8 +66,9 @@ def _free_engine(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
-def run_engine(path: Path, prompts=PROMPTS, **kwargs) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their log-probs from vllm.LLM(path, quantization='ascend')."""
+def run_engine(path: Path, prompts=PROMPTS, inspect=None, **kwargs) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probs from vllm.LLM(path, quantization='ascend'); with
+    `inspect` (a function of the model), also what `llm.apply_model(inspect)` returns."""
     from vllm import LLM
 
     args = dict(quantization="ascend", enforce_eager=True, dtype="float32", max_model_len=128,
@@ -82,7 +83,7 @@ def run_engine(path: Path, prompts=PROMPTS, **kwargs) -> list[tuple[list[int], l
         for o in outs:
             c = o.outputs[0]
             result.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
-        return result
+        return result if inspect is None else (result, llm.apply_model(inspect)[0])
     finally:
         _free_engine(llm)
 
