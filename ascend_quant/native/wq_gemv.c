@@ -199,7 +199,7 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
         }
     const int per_group = groups > 1;
     const int64_t blocks = (n + RB - 1) / RB;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * kp * (m < 4 ? m : 4) >= (1 << 16))
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t j0 = b * RB, j1 = j0 + RB < n ? j0 + RB : n;
         float res[RB * MT_MAX];
