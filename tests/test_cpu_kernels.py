@@ -36,6 +36,26 @@ def backend(request, monkeypatch):
     return b
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small shapes: one thread (the kernel runs single-threaded below 2^16 weights anyway)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_split_the_output_channels(backend):
+    """A shape large enough for the OpenMP loop, on two threads, equals one thread's result."""
+    g = torch.Generator().manual_seed(2)
+    w_int, scale = numerics.quantize_weight(torch.randn(1030, 576, generator=g), 4, 64)
+    prep = backend.prepare_weight_only(w_int, scale, None, 4, torch.float32)
+    x = torch.randn(3, 576, generator=g)
+    one = backend.weight_only_matmul(x, prep)
+    torch.set_num_threads(2)
+    assert torch.equal(backend.weight_only_matmul(x, prep), one)
+
+
 def test_this_cpu_has_a_gemv_path():
     assert ISAS, f"no AVX2/AVX-512 on this CPU ({cpu_isa()}): the GEMV kernel cannot be tested here"
 
