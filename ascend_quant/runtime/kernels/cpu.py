@@ -204,10 +204,18 @@ class CpuInt8Weight:
     # "int_mm": int8 [n, k]^T view; None when `gemv` holds the weight (int4 with the GEMV kernel)
     weight_t: torch.Tensor | None
     scale: torch.Tensor             # float32 [n]
-    onednn: object | None = None    # vLLM oneDNN handler (VNNI CPUs only)
+    onednn: dict | None = None      # vLLM oneDNN handlers by output dtype, made on first use (VNNI CPUs only)
     n: int = 0
     packed: bool = False            # int4 values packed two per byte along k
     gemv: GemvWeight | None = None
+
+    def int8_kn(self) -> torch.Tensor:
+        """The integer weight as int8 [k, n], the transpose of a contiguous [n, k] (as oneDNN takes it)."""
+        if self.gemv is not None:
+            w_nk = self.gemv.values(0, self.gemv.k)
+        else:
+            w_nk = (numerics.unpack_int4(self.weight_t) if self.packed else self.weight_t.to(torch.int8)).t()
+        return w_nk.contiguous().t()
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         """Rows start:end of the [k, n] weight as float32 (exact integers)."""
@@ -278,20 +286,16 @@ class CpuBackend(ReferenceBackend):
         out = torch.empty_like(x2, dtype=torch.int8)
         scale = torch.empty((x2.shape[0], 1), dtype=torch.float32)
         torch.ops._C.dynamic_scaled_int8_quant(out, x2, scale, None)
-        # an all-zero token: the reference (numerics) defines its scale as 1.0 (no branch on
-        # the values: this also runs where a compiler traces it)
-        zero = scale == 0
-        out = out.masked_fill(zero, 0)
-        scale = scale.masked_fill(zero, 1.0)
+        # an all-zero token: vLLM's quantizer gives it zeros and scale 0, the reference
+        # (numerics) scale 1.0. Only the [m, 1] scale is fixed (a mask, no branch on the values:
+        # this also runs where a compiler traces it); tests check the zeros.
+        scale = scale.masked_fill(scale == 0, 1.0)
         return out.reshape(x.shape), scale.reshape(*lead, 1)
 
     def prepare_int8(self, weight, scale, bits: int = 8):
         weight = weight.to(torch.int8)
         scale = scale.float().reshape(-1).contiguous()
-        handler = None
-        if self.use_onednn:
-            ops = vllm_cpu_ops()
-            handler = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False, 32)
+        handler = {} if self.use_onednn else None
         # _int_mm is fastest with the [n, k] weight seen as a column-major [k, n]
         if self.gemm == "int_mm":
             return CpuInt8Weight(weight.contiguous().t(), scale, handler, weight.shape[0])
@@ -311,13 +315,19 @@ class CpuBackend(ReferenceBackend):
         if w.gemv is not None and x2.shape[0] <= GEMV_MAX_M and quant_bias is None and self.gemv_lib is not None:
             return _gemv(self.gemv_lib, w.gemv, x2, 1, out_dtype, bias, pertoken_scale).reshape(*lead, -1)
         if w.onednn is not None and quant_bias is None:
-            ops = vllm_cpu_ops()
-            out = torch.empty((x2.shape[0], w.n), dtype=torch.float32)
+            # bfloat16 straight from oneDNN when there is no bias (measured equal to the float32
+            # epilogue cast last; with a bias oneDNN rounds twice), else float32 cast here
+            dt = torch.bfloat16 if out_dtype == torch.bfloat16 and bias is None else torch.float32
+            handler = w.onednn.get(dt)
+            if handler is None:
+                handler = w.onednn[dt] = vllm_cpu_ops().create_onednn_scaled_mm(
+                    w.int8_kn(), w.scale, dt, True, False, 32)
+            out = torch.empty((x2.shape[0], w.n), dtype=dt)
             s_a = (pertoken_scale.float().reshape(-1, 1).contiguous() if pertoken_scale is not None
                    else torch.ones((x2.shape[0], 1)))
-            ops.onednn_scaled_mm(w.onednn, x2, out, s_a, None, None,
-                                 None if bias is None else bias.float().contiguous())
-            return out.to(out_dtype).reshape(*lead, -1)
+            vllm_cpu_ops().onednn_scaled_mm(handler, x2, out, s_a, None, None,
+                                            None if bias is None else bias.float().contiguous())
+            return (out if dt == out_dtype else out.to(out_dtype)).reshape(*lead, -1)
         if self.gemm == "int_mm":
             acc = torch._int_mm(x2, w.weight_t)
         elif w.weight_t is not None and w.weight_t.dtype == torch.float32:
