@@ -1,6 +1,6 @@
 """The CPU backend's C GEMV (`native/wq_gemv.c`) against the reference backend, on every
-instruction set this CPU runs (the AVX2 build forced through `ASCEND_QUANT_CPU_ISA` on
-AVX-512 machines), for token counts on both sides of `GEMV_MAX_M`.
+instruction set this CPU runs (the narrower builds forced through `ASCEND_QUANT_CPU_ISA`),
+for token counts on both sides of `GEMV_MAX_M`.
 
 Comparisons: int8 activations x int4 weights accumulate exactly, so W4A8 per-channel equals
 the reference bit for bit (same float32 epilogue in the same order) and the bare integer
@@ -22,7 +22,7 @@ from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
 
 REF = ReferenceBackend()
-ISAS = {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(cpu_isa(), [])
+ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu_isa()):-1])        # this CPU's widest down to avx2
 TOKENS = (1, 3, 5, 9, GEMV_MAX_M, GEMV_MAX_M + 3)      # register tiles 1-8, two tiles, the GEMM path
 
 
@@ -32,7 +32,7 @@ def backend(request, monkeypatch):
     b = CpuBackend(gemm="f32")
     assert b.gemv_lib is not None, "the GEMV kernel did not build (a C compiler is needed for these tests)"
     b.gemv_lib.wq_isa.restype = ctypes.c_int
-    assert b.gemv_lib.wq_isa() == {"avx512": 512, "avx2": 2}[request.param]
+    assert b.gemv_lib.wq_isa() == {"avx512bf16": 516, "avx512": 512, "avx2": 2}[request.param]
     return b
 
 
@@ -139,7 +139,7 @@ def test_two_stage_w4a8_per_group(backend):
 
 def test_isa_switch(monkeypatch):
     monkeypatch.setenv(ISA_ENV, "sse")
-    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_ISA='sse': use one of avx512, avx2, off"):
+    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_ISA='sse': use one of avx512bf16, avx512, avx2, off"):
         CpuBackend(gemm="f32")
     monkeypatch.setenv(ISA_ENV, "off")          # the torch path: integers in the [k, n] layout
     b = CpuBackend(gemm="f32")
@@ -150,9 +150,10 @@ def test_isa_switch(monkeypatch):
     x = torch.randn(3, 64)
     _close(b.weight_only_matmul(x, prep), REF.weight_only_matmul(x, REF.prepare_weight_only(w_int, scale, None, 4)),
            torch.float32)
-    if cpu_isa() == "avx2":
-        monkeypatch.setenv(ISA_ENV, "avx512")
-        with pytest.raises(ValueError, match="this CPU has no avx512"):
+    wider = cpu.ISAS[:cpu.ISAS.index(cpu_isa())]
+    for isa in wider:                           # refused, not run into an illegal instruction
+        monkeypatch.setenv(ISA_ENV, isa)
+        with pytest.raises(ValueError, match=f"this CPU has no {isa}"):
             CpuBackend(gemm="f32")
 
 

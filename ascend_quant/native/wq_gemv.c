@@ -18,7 +18,8 @@
  * order). Exact because every lane's partial sum is an integer of magnitude below 2^24 (the
  * caller checks k against that bound) and the lanes are added as int32.
  *
- * Built twice: -mavx512f -mavx512bw (16 floats a vector) and -mavx2 -mfma (8 floats);
+ * Built three times: -mavx512bf16 (bfloat16 activations through VDPBF16PS, see below; the
+ * rest as AVX-512), -mavx512f -mavx512bw (16 floats a vector) and -mavx2 -mfma (8 floats);
  * without -ffast-math and with -ffp-contract=off, so only the explicit FMAs fuse.
  * OpenMP spreads the output channels over threads.
  */
@@ -48,7 +49,11 @@ static inline void wload32_4(const uint8_t *p, vf *w) {       /* 16 bytes: nibbl
 }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline int32_t vsum_int(vf a) { return _mm512_reduce_add_epi32(_mm512_cvtps_epi32(a)); }
+#if defined(__AVX512BF16__)
+int wq_isa(void) { return 516; }     /* AVX-512 with BF16 */
+#else
 int wq_isa(void) { return 512; }
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VW 8
 typedef __m256 vf;
@@ -157,6 +162,108 @@ static inline int tile(int rows, int mt, int bits, const float *xb, int64_t ldb,
 }
 #undef TILE
 
+
+#if defined(__AVX512BF16__)
+/* bfloat16 activations (mode 0): the weights convert exactly to bfloat16 (integers of at
+ * most 8 significant bits) and VDPBF16PS multiplies 32 pairs a vector into float32 lanes.
+ * Per 64 values of a group: the weight vectors hold values [0..15, 32..47] and [16..31,
+ * 48..63] (what one nibble lookup of 32 bytes gives); the activation buffer holds the same
+ * order, and a trailing 32-value chunk of a group has zeros in the other slots. */
+#define HAVE_BF16 1
+static const uint16_t BF16_INT4[32] = {   /* bfloat16 of the int4 value of the low nibble, twice */
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
+
+static inline int64_t bf16_slot(int64_t q) {        /* position q of a 64-chunk in the buffer */
+    return q < 16 ? q : q < 32 ? q + 16 : q < 48 ? q - 16 : q;
+}
+
+static inline __m512bh high_words(__m512 a, __m512 b) {  /* bfloat16 of exact floats: their high halves */
+    const __m512i idx = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                          0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
+                                          0x00330031, 0x00370035, 0x003B0039, 0x003F003D);
+    return (__m512bh)_mm512_permutex2var_epi16(_mm512_castps_si512(a), idx, _mm512_castps_si512(b));
+}
+
+static inline void wbf16_8(const int8_t *p, int full, __m512bh *lo, __m512bh *hi) {
+    __m512 a = wload8(p), b = wload8(p + 16);
+    __m512 c = full ? wload8(p + 32) : _mm512_setzero_ps(), d = full ? wload8(p + 48) : _mm512_setzero_ps();
+    *lo = high_words(a, c);                         /* values 0..15 of a, then c's */
+    *hi = high_words(b, d);
+}
+
+static inline void wbf16_4(const uint8_t *p, int full, __m512i tab, __m512bh *lo, __m512bh *hi) {
+    __m256i b = full ? _mm256_loadu_si256((const __m256i *)p)
+                     : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m512i v = _mm512_cvtepu8_epi16(b);            /* index bits 0-4: low nibble (+16: same entry) */
+    *lo = (__m512bh)_mm512_permutexvar_epi16(v, tab);
+    *hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+}
+
+static inline __attribute__((always_inline)) void row_tile_bf16(
+        const int R, const int MT, const int BITS, const uint16_t *xb, int64_t ldb, int64_t gq, const void *wrow,
+        int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, int per_group, float *res) {
+    __m512 tot[RB][MT_MAX], ga[RB][MT_MAX], gb[RB][MT_MAX];   /* gb: the hi halves (a second FMA chain) */
+    const __m512i tab = _mm512_loadu_si512((const void *)BF16_INT4);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) tot[r][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < MT; t++) ga[r][t] = gb[r][t] = _mm512_setzero_ps();
+        const uint16_t *xg = xb + g * gq;
+        for (int64_t i = 0; i < gp; i += 64) {
+            const int full = i + 64 <= gp;
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wr = (const uint8_t *)wrow + r * row_bytes;
+                __m512bh lo, hi;
+                if (BITS == 4) wbf16_4(wr + (g * gp + i) / 2, full, tab, &lo, &hi);
+                else wbf16_8((const int8_t *)wr + g * gp + i, full, &lo, &hi);
+                for (int t = 0; t < MT; t++) {
+                    const uint16_t *xt = xg + t * ldb + i;
+                    ga[r][t] = _mm512_dpbf16_ps(ga[r][t], lo, (__m512bh)_mm512_loadu_si512((const void *)xt));
+                    gb[r][t] = _mm512_dpbf16_ps(gb[r][t], hi, (__m512bh)_mm512_loadu_si512((const void *)(xt + 32)));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            for (int t = 0; t < MT; t++) ga[r][t] = _mm512_add_ps(ga[r][t], gb[r][t]);
+            if (per_group) {
+                __m512 s = _mm512_set1_ps(srow[r * groups + g]);
+                for (int t = 0; t < MT; t++) tot[r][t] = _mm512_fmadd_ps(ga[r][t], s, tot[r][t]);
+            } else {
+                for (int t = 0; t < MT; t++) tot[r][t] = ga[r][t];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) res[r * MT_MAX + t] = _mm512_reduce_add_ps(tot[r][t]);
+}
+
+#define TILE_BF(R, M) { if (bits == 4) row_tile_bf16(R, M, 4, xb, ldb, gq, wrow, row_bytes, groups, gp, srow, per_group, res); \
+                        else row_tile_bf16(R, M, 8, xb, ldb, gq, wrow, row_bytes, groups, gp, srow, per_group, res); }
+
+static inline int tile_bf16(int rows, int mt, int bits, const uint16_t *xb, int64_t ldb, int64_t gq, const void *wrow,
+                            int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, int per_group, float *res) {
+    if (mt == 1 && rows >= 4) { TILE_BF(4, 1) return 4; }
+    if (mt <= 3 && rows >= 2) {
+        switch (mt) { case 1: TILE_BF(2, 1) break; case 2: TILE_BF(2, 2) break; default: TILE_BF(2, 3) }
+        return 2;
+    }
+    switch (mt) {
+        case 1: TILE_BF(1, 1) break; case 2: TILE_BF(1, 2) break; case 3: TILE_BF(1, 3) break; case 4: TILE_BF(1, 4) break;
+        case 5: TILE_BF(1, 5) break; case 6: TILE_BF(1, 6) break; case 7: TILE_BF(1, 7) break; default: TILE_BF(1, 8)
+    }
+    return 1;
+}
+#undef TILE_BF
+#define BF16_SLOT(q) bf16_slot(q)
+#else
+#define HAVE_BF16 0
+#define BF16_SLOT(q) (q)
+#endif
+
 static inline float load_x(const void *x, int xdt, int64_t i) {
     if (xdt == 0) return ((const float *)x)[i];
     if (xdt == 2) return (float)((const int8_t *)x)[i];
@@ -183,18 +290,34 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
     (void)k;
     const int64_t kp = groups * gp;
     const int64_t row_bytes = bits == 4 ? kp / 2 : kp;
-    float *xb = aligned_alloc(64, (size_t)(m * kp * sizeof(float) + 64) / 64 * 64);
+    const int use_bf16 = HAVE_BF16 && xdt == 1 && mode == 0;
+    const int64_t gq = (gp + 63) / 64 * 64;           /* bfloat16 buffer: per group */
+    const int64_t ldb = use_bf16 ? groups * gq : kp;   /* buffer elements per token */
+    const size_t esz = use_bf16 ? 2 : 4;
+    void *buf = aligned_alloc(64, (m * ldb * esz + 64) / 64 * 64);
     float *xsum = offset ? calloc((size_t)(m * groups), sizeof(float)) : NULL;
-    if (!xb || (offset && !xsum)) { free(xb); free(xsum); *status = 1; return; }
+    if (!buf || (offset && !xsum)) { free(buf); free(xsum); *status = 1; return; }
+    float *xb = buf;
+    uint16_t *xh = buf;
+    if (use_bf16) memset(buf, 0, m * ldb * esz);
     for (int64_t t = 0; t < m; t++)
         for (int64_t g = 0; g < groups; g++) {
-            float *dst = xb + t * kp + g * gp;
             float s = 0.f;
-            for (int64_t i = 0; i < gsz; i++) {
-                dst[i] = load_x(x, xdt, t * ldx + g * gsz + i);
-                s += dst[i];
+            if (use_bf16) {
+                const uint16_t *src = (const uint16_t *)x + t * ldx + g * gsz;
+                uint16_t *dst = xh + t * ldb + g * gq;
+                for (int64_t i = 0; i < gsz; i++) {
+                    dst[i / 64 * 64 + BF16_SLOT(i % 64)] = src[i];
+                    if (xsum) s += load_x(src, 1, i);
+                }
+            } else {
+                float *dst = xb + t * kp + g * gp;
+                for (int64_t i = 0; i < gsz; i++) {
+                    dst[i] = load_x(x, xdt, t * ldx + g * gsz + i);
+                    s += dst[i];
+                }
+                for (int64_t i = gsz; i < gp; i++) dst[i] = 0.f;
             }
-            for (int64_t i = gsz; i < gp; i++) dst[i] = 0.f;
             if (xsum) xsum[t * groups + g] = s;
         }
     const int per_group = groups > 1;
@@ -206,8 +329,16 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
         for (int64_t t0 = 0; t0 < m; t0 += MT_MAX) {
             int mt = m - t0 < MT_MAX ? (int)(m - t0) : MT_MAX;
             for (int64_t jr = j0; jr < j1;) {
-                int done = tile((int)(j1 - jr), mt, bits, xb + t0 * kp, kp, (const uint8_t *)w + jr * row_bytes,
-                                row_bytes, groups, gp, scale + jr * groups, per_group, mode == 1, res);
+                const void *wr = (const uint8_t *)w + jr * row_bytes;
+                int done;
+#if HAVE_BF16
+                if (use_bf16)
+                    done = tile_bf16((int)(j1 - jr), mt, bits, xh + t0 * ldb, ldb, gq, wr, row_bytes, groups, gp,
+                                     scale + jr * groups, per_group, res);
+                else
+#endif
+                    done = tile((int)(j1 - jr), mt, bits, xb + t0 * kp, kp, wr, row_bytes, groups, gp,
+                                scale + jr * groups, per_group, mode == 1, res);
                 for (int r = 0; r < done; r++) {
                     const int64_t j = jr + r;
                     const float *srow = scale + j * groups;
@@ -235,6 +366,6 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
             }
         }
     }
-    free(xb);
+    free(buf);
     free(xsum);
 }

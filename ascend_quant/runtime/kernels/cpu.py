@@ -19,9 +19,10 @@ without VNNI is refused: its results would be wrong.
 
 Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes and of the
 int4 weights of W4A8 run our C GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights
-once per call and converts them in registers. Its AVX-512 or AVX2 build is chosen from
-/proc/cpuinfo; `ASCEND_QUANT_CPU_ISA=avx2` (or `avx512`, `off`) forces one, so the AVX2 path
-is tested on AVX-512 machines too (`off`: the torch path). Larger batches (prefill) run
+once per call and converts them in registers. Its AVX-512-BF16 (bfloat16 activations through
+VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CPU_ISA=avx2`
+(or `avx512bf16`, `avx512`, `off`) forces one, so each narrower path is tested on wider
+machines too (`off`: the torch path). Larger batches (prefill) run
 float32 GEMMs over k-chunks converted from the same weights (or oneDNN, see above).
 """
 
@@ -46,7 +47,7 @@ GEMM_ENV = "ASCEND_QUANT_CPU_GEMM"
 # no GEMV kernel), a little faster for prefill on CPUs without VNNI.
 WEIGHTS_ENV = "ASCEND_QUANT_CPU_WEIGHTS"
 ISA_ENV = "ASCEND_QUANT_CPU_ISA"
-ISAS = ("avx512", "avx2", "off")
+ISAS = ("avx512bf16", "avx512", "avx2", "off")
 GEMV_MAX_M = 16          # tokens up to which the GEMV kernel runs (beyond: GEMMs)
 GEMV_PAD = 32            # the kernel's groups are padded to a multiple of this many values
 _XDT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -83,13 +84,14 @@ def vllm_cpu_ops():
 
 
 def cpu_isa() -> str:
-    """The widest GEMV build this CPU runs: "avx512" (F and BW), "avx2" (with FMA) or "off"."""
+    """The widest GEMV build this CPU runs: "avx512bf16" (AVX-512 F, BW, VL and BF16),
+    "avx512" (F and BW), "avx2" (with FMA) or "off"."""
     try:
         flags = set(open("/proc/cpuinfo").read().split())
     except OSError:
         return "off"
     if {"avx512f", "avx512bw", "avx2", "fma"} <= flags:
-        return "avx512"
+        return "avx512bf16" if {"avx512vl", "avx512_bf16"} <= flags else "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "off"
 
 
