@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -134,6 +134,7 @@ class GemvWeight:
     k: int
     group_size: int
     gp: int
+    _args: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int) -> "GemvWeight":
@@ -185,11 +186,12 @@ def _gemv(lib, w: GemvWeight, x2: torch.Tensor, mode: int, out_dtype: torch.dtyp
     bias = None if bias is None else bias.float().contiguous()
     pertoken = None if pertoken is None else pertoken.float().reshape(-1).contiguous()
     status = ctypes.c_int(0)
-    lib.wq_gemv(x2.data_ptr(), _XDT[x2.dtype], m, w.k, x2.stride(0), w.q.data_ptr(), w.bits, w.n,
-                w.scale.shape[1], w.group_size, w.gp, w.scale.data_ptr(),
-                None if w.offset is None else w.offset.data_ptr(), None if bias is None else bias.data_ptr(),
-                None if pertoken is None else pertoken.data_ptr(), mode, y.data_ptr(), ydt, y.stride(0),
-                torch.get_num_threads(), ctypes.byref(status))
+    if w._args is None:         # the weight's pointers and shape, fixed once it is built
+        w._args = (w.q.data_ptr(), w.bits, w.n, w.scale.shape[1], w.group_size, w.gp, w.scale.data_ptr(),
+                   None if w.offset is None else w.offset.data_ptr())
+    lib.wq_gemv(x2.data_ptr(), _XDT[x2.dtype], m, w.k, x2.stride(0), *w._args,
+                None if bias is None else bias.data_ptr(), None if pertoken is None else pertoken.data_ptr(),
+                mode, y.data_ptr(), ydt, w.n, torch.get_num_threads(), ctypes.byref(status))
     if status.value:
         raise MemoryError("wq_gemv: could not allocate its activation buffer")
     return y if y.dtype == out_dtype else y.to(out_dtype)
