@@ -198,6 +198,9 @@ def run_e2e(args) -> dict:
     from ascend_quant.assets import reference_model_dir
 
     engines = bench_checkpoints(Path(reference_model_dir()), args.ct, args.float32_quantized)
+    if args.engines:
+        wanted = [w.strip() for w in args.engines.split(",")]
+        engines = {k: v for k, v in engines.items() if k in wanted}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     rows = {}
@@ -316,6 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ct", default=None, help="compressed-tensors W8A8 checkpoint for vLLM's own int8 path")
     ap.add_argument("--float32-quantized", action="store_true",
                     help="also run each ascend checkpoint with float32 activations")
+    ap.add_argument("--engines", default="", help="comma list of engine names to run (default: all)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_engine"]:
         return engine_child(argv[1:])
