@@ -194,6 +194,18 @@ def engine_child(argv) -> int:
     return 0
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the flags the CPU paths depend on (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")), "?")
+    flags = set(next((l for l in text.splitlines() if l.startswith("flags")), "").split())
+    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags]
+    return f"{name} ({', '.join(have) or 'no AVX2'})"
+
+
 def run_e2e(args) -> dict:
     from ascend_quant.assets import reference_model_dir
 
@@ -230,7 +242,7 @@ def run_e2e(args) -> dict:
         if "error" not in row:
             row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
     command = " ".join(["benchmarks/runtime.py", *sys.argv[1:]]).replace(str(Path(__file__).resolve().parent.parent), ".")
-    return {"command": command, "threads": args.threads, "vnni": cpu_has_vnni(), "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
+    return {"command": command, "threads": args.threads, "vnni": cpu_has_vnni(), "cpu": cpu_description(), "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
             "decode": {"sequences": DECODE[0], "prompt_tokens": DECODE[1], "generated": DECODE[2]}, "engines": rows}
 
 
@@ -239,7 +251,7 @@ def markdown_e2e(e2e: dict) -> str:
     onednn = ("vLLM's own int8 path (oneDNN) computes wrong results on this CPU (no VNNI) and keeps"
               if not e2e.get("vnni", False) else "vLLM's own int8 path (oneDNN, VNNI) keeps")
     lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), enforce_eager)", "",
-             f"`{e2e.get('command', 'benchmarks/runtime.py')}`", "",
+             f"`{e2e.get('command', 'benchmarks/runtime.py')}`" + (f" on {e2e['cpu']}" if e2e.get("cpu") else ""), "",
              f"Prefill: {p['prompts']} prompts x {p['tokens']} tokens, median of 2. Decode: {d['sequences']} sequences, "
              f"{d['generated']} generated (median inter-token latency). Activations bf16 unless the engine says fp32. "
              "Linear weights: bytes the Linears hold after loading, against their bf16 size. "
