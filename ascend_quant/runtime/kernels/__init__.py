@@ -11,7 +11,8 @@ Backends (one file each): `npu` (torch_npu, §3 of ascend-format.md), `cuda` (CU
 `can_implement(op, **cfg) -> (ok, reason)`; `get_backend` takes the first that accepts
 and, when none does, raises one error listing every rejection. The environment variable
 `ASCEND_QUANT_KERNEL_BACKEND` (npu, cuda, cpu, reference) forces a choice, and
-`ASCEND_QUANT_CPU_GEMM` (onednn, f32, int_mm) the int8 GEMM of the cpu backend.
+`ASCEND_QUANT_CPU_GEMM` (onednn, f32, int_mm) the int8 GEMM of the cpu backend and
+`ASCEND_QUANT_CPU_ISA` (avx512, avx2, off) its GEMV kernel for small batches.
 
 Layer code prepares weights once (`backend.prepare_int8`, `backend.prepare_weight_only`)
 and calls the backend's methods; the module-level functions below prepare on every call
@@ -24,7 +25,7 @@ import os
 
 import torch
 
-from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend
+from ascend_quant.runtime.kernels.cpu import GEMM_ENV, ISA_ENV, CpuBackend
 from ascend_quant.runtime.kernels.cuda import CudaBackend
 from ascend_quant.runtime.kernels.npu import NpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
@@ -38,10 +39,10 @@ _instances: dict[tuple[str, str], object] = {}
 
 
 def backend(name: str):
-    """The (shared) backend object called `name` (one per setting of the CPU GEMM switch)."""
+    """The (shared) backend object called `name` (one per setting of the CPU GEMM and ISA switches)."""
     if name not in BACKENDS:
         raise ValueError(f"{ENV_VAR}/backend: unknown kernel backend {name!r} (known: {', '.join(BACKENDS)})")
-    key = (name, os.environ.get(GEMM_ENV, ""))
+    key = (name, os.environ.get(GEMM_ENV, ""), os.environ.get(ISA_ENV, ""))
     if key not in _instances:
         _instances[key] = BACKENDS[name]()
     return _instances[key]

@@ -16,25 +16,45 @@ full-range int8 operands come out wrong by up to a third. It is therefore used o
 `ASCEND_QUANT_CPU_GEMM=f32` (or `onednn`, `int_mm`) forces a path, so the exact-f32 path,
 the default of AVX2 machines, is tested and served on a VNNI machine too. Forcing `onednn`
 without VNNI is refused: its results would be wrong.
+
+Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes and of the
+int4 weights of W4A8 run our C GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights
+once per call and converts them in registers. Its AVX-512-BF16 (bfloat16 activations through
+VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CPU_ISA=avx2`
+(or `avx512bf16`, `avx512`, `off`) forces one, so each narrower path is tested on wider
+machines too (`off`: the torch path). Larger batches (prefill) run
+float32 GEMMs over k-chunks converted from the same weights (or oneDNN, see above).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
-from ascend_quant import numerics
+from ascend_quant import native, numerics
 from ascend_quant.runtime.kernels.reference import EXACT_F32_CHUNK, ReferenceBackend, exact_int8_matmul, int8_epilogue
 
 GEMMS = ("onednn", "f32", "int_mm")
 GEMM_ENV = "ASCEND_QUANT_CPU_GEMM"
-# How the "f32" path keeps weights: "compact" (default) keeps the integers (int4 packed two per
-# byte) and converts one k-chunk at a time inside each call, so serving memory is what the
-# checkpoint promises (1 byte per int8 weight, half a byte per int4 weight); "float32" keeps a
-# float32 copy (4 bytes per weight), a little faster on CPUs without VNNI.
+# How weights are kept: "compact" (default) keeps the integers (int4 packed two per byte), in
+# the GEMV kernel's layout when it is available, and large batches convert one k-chunk at a
+# time inside each call, so serving memory is what the checkpoint promises (1 byte per int8
+# weight, half a byte per int4 weight); "float32" keeps a float32 copy (4 bytes per weight,
+# no GEMV kernel), a little faster for prefill on CPUs without VNNI.
 WEIGHTS_ENV = "ASCEND_QUANT_CPU_WEIGHTS"
+ISA_ENV = "ASCEND_QUANT_CPU_ISA"
+ISAS = ("avx512bf16", "avx512", "avx2", "off")
+# tokens up to which the GEMV kernel runs (beyond: GEMMs). Measured on an AVX-512 CPU, one
+# thread, 576x3072: at 64 tokens the GEMV took 1.8 ms (AVX512-BF16) / 2.8 ms (AVX-512), the
+# float32 GEMMs over dequantized chunks 6.8 ms
+GEMV_MAX_M = 64
+GEMV_PAD = 32            # the kernel's groups are padded to a multiple of this many values
+_XDT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_YDT = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _weight_mode() -> str:
@@ -66,6 +86,30 @@ def vllm_cpu_ops():
         return None
 
 
+def cpu_isa() -> str:
+    """The widest GEMV build this CPU runs: "avx512bf16" (AVX-512 F, BW, VL and BF16),
+    "avx512" (F and BW), "avx2" (with FMA) or "off"."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return "off"
+    if {"avx512f", "avx512bw", "avx2", "fma"} <= flags:
+        return "avx512bf16" if {"avx512vl", "avx512_bf16"} <= flags else "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "off"
+
+
+def gemv_isa() -> str:
+    """`ASCEND_QUANT_CPU_ISA` if set (refused where the CPU lacks it), else `cpu_isa()`."""
+    forced = os.environ.get(ISA_ENV)
+    if not forced:
+        return cpu_isa()
+    if forced not in ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r}: use one of {', '.join(ISAS)}")
+    if forced != "off" and ISAS.index(forced) < ISAS.index(cpu_isa()):
+        raise ValueError(f"{ISA_ENV}={forced}: this CPU has no {forced} (it runs {cpu_isa()})")
+    return forced
+
+
 def default_gemm() -> str:
     """The int8 GEMM path: `ASCEND_QUANT_CPU_GEMM` if set, else oneDNN where it is exact and fast."""
     import os
@@ -77,17 +121,113 @@ def default_gemm() -> str:
 
 
 @dataclass
+class GemvWeight:
+    """Integer weights in the layout of `native/wq_gemv.c`: per output channel, `groups` groups
+    of `gp` values (the group's `group_size` in-features, then zeros up to a multiple of
+    GEMV_PAD); int8 [n, groups * gp], or int4 packed along k [n, groups * gp / 2] (in each block
+    of 32 values, byte i holds value i in its low nibble and value i + 16 in its high one).
+    Per-channel: one group of k. scale / offset float32 [n, groups]."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    bits: int
+    k: int
+    group_size: int
+    gp: int
+    _args: tuple | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int) -> "GemvWeight":
+        """q: integer values in int8 [n, k]; scale / offset [n, groups] (or [n])."""
+        n, k = q.shape
+        scale = scale.float().reshape(n, -1).contiguous()
+        groups = scale.shape[1]
+        gsz = k // groups
+        gp = -(-gsz // GEMV_PAD) * GEMV_PAD
+        w = torch.zeros(n, groups, gp, dtype=torch.int8)
+        w[:, :, :gsz] = q.to(torch.int8).reshape(n, groups, gsz)
+        w = w.reshape(n, groups * gp)
+        if bits == 4:
+            w = w.view(n, -1, 2, 16)
+            w = ((w[:, :, 0] & 0xF) | (w[:, :, 1] << 4)).reshape(n, -1)
+        off = None if offset is None else offset.float().reshape(n, groups).contiguous()
+        return cls(w.contiguous(), scale, off, bits, k, gsz, gp)
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    def values(self, start: int, end: int) -> torch.Tensor:
+        """Columns start:end of the integer weight [n, k], as int8."""
+        gsz, groups = self.group_size, self.scale.shape[1]
+        g0, g1 = start // gsz, -(-end // gsz)
+        w = self.q.view(self.n, groups, -1)[:, g0:g1]
+        if self.bits == 4:
+            w = w.reshape(self.n, g1 - g0, -1, 1, 16)
+            w = torch.cat(((w << 4) >> 4, w >> 4), dim=-2).reshape(self.n, g1 - g0, self.gp)
+        return w[:, :, :gsz].reshape(self.n, -1)[:, start - g0 * gsz:end - g0 * gsz]
+
+    def dequantized(self, start: int, end: int) -> torch.Tensor:
+        """Columns start:end of `(w - offset) * scale`, float32 [n, end - start]."""
+        gsz = self.group_size
+        g0, g1 = start // gsz, -(-end // gsz)
+        cols = slice(start - g0 * gsz, end - g0 * gsz)
+        w = self.values(start, end).float()
+        if self.offset is not None:
+            w = w - self.offset[:, g0:g1].repeat_interleave(gsz, 1)[:, cols]
+        return w * self.scale[:, g0:g1].repeat_interleave(gsz, 1)[:, cols]
+
+
+def _gemv(lib, w: GemvWeight, x2: torch.Tensor, mode: int, out_dtype: torch.dtype, bias=None, pertoken=None):
+    """One call of `wq_gemv` on x2 [m, k] (float32, bfloat16 or int8 for mode 1)."""
+    m = x2.shape[0]
+    ydt = _YDT.get(out_dtype, 0)
+    y = torch.empty((m, w.n), dtype=out_dtype if out_dtype in _YDT else torch.float32)
+    bias = None if bias is None else bias.float().contiguous()
+    pertoken = None if pertoken is None else pertoken.float().reshape(-1).contiguous()
+    status = ctypes.c_int(0)
+    if w._args is None:         # the weight's pointers and shape, fixed once it is built
+        w._args = (w.q.data_ptr(), w.bits, w.n, w.scale.shape[1], w.group_size, w.gp, w.scale.data_ptr(),
+                   None if w.offset is None else w.offset.data_ptr())
+    lib.wq_gemv(x2.data_ptr(), _XDT[x2.dtype], m, w.k, x2.stride(0), *w._args,
+                None if bias is None else bias.data_ptr(), None if pertoken is None else pertoken.data_ptr(),
+                mode, y.data_ptr(), ydt, w.n, torch.get_num_threads(), ctypes.byref(status))
+    if status.value:
+        raise MemoryError("wq_gemv: could not allocate its activation buffer")
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _gemv_exact(w: GemvWeight) -> bool:
+    """Whether mode 1 (int8 x_q) is exact for `w`: every lane of the kernel sums at most
+    groups * gp / 8 products (AVX2: 8 lanes), each at most 128 * 2^(bits-1) in magnitude, and
+    float32 holds every integer up to 2^24."""
+    kp = w.scale.shape[1] * w.gp
+    return w.scale.shape[1] == 1 and kp // 8 * 128 * (1 << (w.bits - 1)) <= 2 ** 24
+
+
+@dataclass
 class CpuInt8Weight:
     # "f32": float32 [k, n], or compact int8 [k, n] / int4 packed along k [k/2, n];
-    # "int_mm": int8 [n, k]^T view
-    weight_t: torch.Tensor
+    # "int_mm": int8 [n, k]^T view; None when `gemv` holds the weight (int4 with the GEMV kernel)
+    weight_t: torch.Tensor | None
     scale: torch.Tensor             # float32 [n]
-    onednn: object | None = None    # vLLM oneDNN handler (VNNI CPUs only)
+    onednn: dict | None = None      # vLLM oneDNN handlers by output dtype, made on first use (VNNI CPUs only)
     n: int = 0
     packed: bool = False            # int4 values packed two per byte along k
+    gemv: GemvWeight | None = None
+
+    def int8_kn(self) -> torch.Tensor:
+        """The integer weight as int8 [k, n], the transpose of a contiguous [n, k] (as oneDNN takes it)."""
+        if self.gemv is not None:
+            w_nk = self.gemv.values(0, self.gemv.k)
+        else:
+            w_nk = (numerics.unpack_int4(self.weight_t) if self.packed else self.weight_t.to(torch.int8)).t()
+        return w_nk.contiguous().t()
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         """Rows start:end of the [k, n] weight as float32 (exact integers)."""
+        if self.gemv is not None:
+            return self.gemv.values(start, end).float().t()
         if self.packed:
             return numerics.unpack_int4(self.weight_t[start // 2:end // 2]).float()
         return self.weight_t[start:end].float()
@@ -96,12 +236,14 @@ class CpuInt8Weight:
 @dataclass
 class CpuWeightOnly:
     # float32 mode: the dequantized [k, n] in the serving dtype (weight_t). Compact mode: the
-    # integers as [k, n] int8 (int4 packed along k: [k/2, n]) with scale/offset [groups, n].
-    weight_t: torch.Tensor
+    # GEMV kernel's layout (`gemv`, weight_t None), or without the kernel the integers as
+    # [k, n] int8 (int4 packed along k: [k/2, n]) with scale/offset [groups, n].
+    weight_t: torch.Tensor | None
     scale_t: torch.Tensor | None = None
     offset_t: torch.Tensor | None = None
     group_size: int = 0
     packed: bool = False
+    gemv: GemvWeight | None = None
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         """Rows start:end of the dequantized [k, n] weight, float32 ((w - offset) * scale)."""
@@ -131,6 +273,8 @@ class CpuBackend(ReferenceBackend):
                              "(without them oneDNN's int8 GEMM saturates); use f32")
         self.gemm = gemm
         self.use_onednn = gemm == "onednn"
+        self.isa = gemv_isa()
+        self.gemv_lib = None if self.isa == "off" else native.WQ_GEMV[self.isa].load()
 
     def can_implement(self, op: str, **cfg) -> tuple[bool, str]:
         device = cfg.get("device", "cpu")
@@ -149,25 +293,25 @@ class CpuBackend(ReferenceBackend):
         out = torch.empty_like(x2, dtype=torch.int8)
         scale = torch.empty((x2.shape[0], 1), dtype=torch.float32)
         torch.ops._C.dynamic_scaled_int8_quant(out, x2, scale, None)
-        # an all-zero token: the reference (numerics) defines its scale as 1.0 (no branch on
-        # the values: this also runs where a compiler traces it)
-        zero = scale == 0
-        out = out.masked_fill(zero, 0)
-        scale = scale.masked_fill(zero, 1.0)
+        # an all-zero token: vLLM's quantizer gives it zeros and scale 0, the reference
+        # (numerics) scale 1.0. Only the [m, 1] scale is fixed (a mask, no branch on the values:
+        # this also runs where a compiler traces it); tests check the zeros.
+        scale = scale.masked_fill(scale == 0, 1.0)
         return out.reshape(x.shape), scale.reshape(*lead, 1)
 
     def prepare_int8(self, weight, scale, bits: int = 8):
         weight = weight.to(torch.int8)
         scale = scale.float().reshape(-1).contiguous()
-        handler = None
-        if self.use_onednn:
-            ops = vllm_cpu_ops()
-            handler = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False, 32)
+        handler = {} if self.use_onednn else None
         # _int_mm is fastest with the [n, k] weight seen as a column-major [k, n]
         if self.gemm == "int_mm":
             return CpuInt8Weight(weight.contiguous().t(), scale, handler, weight.shape[0])
         if _weight_mode() == "float32":
             return CpuInt8Weight(weight.float().t().contiguous(), scale, handler, weight.shape[0])
+        if bits == 4 and self.gemv_lib is not None:
+            gemv = GemvWeight.build(weight, scale.reshape(-1, 1), None, 4)
+            if _gemv_exact(gemv):
+                return CpuInt8Weight(None, scale, handler, weight.shape[0], gemv=gemv)
         packed = bits == 4 and weight.shape[1] % 2 == 0
         weight_t = numerics.pack_int4(weight.t().contiguous()) if packed else weight.t().contiguous()
         return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
@@ -175,17 +319,28 @@ class CpuBackend(ReferenceBackend):
     def int8_matmul(self, x_q, w, *, pertoken_scale=None, quant_bias=None, bias=None, out_dtype=torch.float32):
         lead = x_q.shape[:-1]
         x2 = x_q.reshape(-1, x_q.shape[-1]).contiguous()
+        # oneDNN first where it runs: with VNNI it beat the float-lane GEMV on int4 weights at
+        # every token count measured (1 to 16)
+        if (w.gemv is not None and w.onednn is None and x2.shape[0] <= GEMV_MAX_M and quant_bias is None
+                and self.gemv_lib is not None):
+            return _gemv(self.gemv_lib, w.gemv, x2, 1, out_dtype, bias, pertoken_scale).reshape(*lead, -1)
         if w.onednn is not None and quant_bias is None:
-            ops = vllm_cpu_ops()
-            out = torch.empty((x2.shape[0], w.n), dtype=torch.float32)
+            # bfloat16 straight from oneDNN when there is no bias (measured equal to the float32
+            # epilogue cast last; with a bias oneDNN rounds twice), else float32 cast here
+            dt = torch.bfloat16 if out_dtype == torch.bfloat16 and bias is None else torch.float32
+            handler = w.onednn.get(dt)
+            if handler is None:
+                handler = w.onednn[dt] = vllm_cpu_ops().create_onednn_scaled_mm(
+                    w.int8_kn(), w.scale, dt, True, False, 32)
+            out = torch.empty((x2.shape[0], w.n), dtype=dt)
             s_a = (pertoken_scale.float().reshape(-1, 1).contiguous() if pertoken_scale is not None
                    else torch.ones((x2.shape[0], 1)))
-            ops.onednn_scaled_mm(w.onednn, x2, out, s_a, None, None,
-                                 None if bias is None else bias.float().contiguous())
-            return out.to(out_dtype).reshape(*lead, -1)
+            vllm_cpu_ops().onednn_scaled_mm(handler, x2, out, s_a, None, None,
+                                            None if bias is None else bias.float().contiguous())
+            return (out if dt == out_dtype else out.to(out_dtype)).reshape(*lead, -1)
         if self.gemm == "int_mm":
             acc = torch._int_mm(x2, w.weight_t)
-        elif w.weight_t.dtype == torch.float32:
+        elif w.weight_t is not None and w.weight_t.dtype == torch.float32:
             acc = exact_int8_matmul(x2, w_f32_t=w.weight_t)
         else:           # compact: convert one k-chunk at a time (exact, see reference.py)
             x = x2.float()
@@ -203,6 +358,8 @@ class CpuBackend(ReferenceBackend):
         n, k = weight.shape
         groups = scale.shape[-1]
         group_size = 0 if groups == 1 else k // groups
+        if self.gemv_lib is not None:
+            return CpuWeightOnly(None, gemv=GemvWeight.build(weight, scale, offset, bits))
         packed = bits == 4 and k % 2 == 0 and (group_size == 0 or group_size % 2 == 0)
         q_t = weight.to(torch.int8).t().contiguous()
         return CpuWeightOnly(numerics.pack_int4(q_t) if packed else q_t,
@@ -211,6 +368,27 @@ class CpuBackend(ReferenceBackend):
                              group_size, packed)
 
     def weight_only_matmul(self, x, w, bias=None, out_dtype=None):
+        out_dtype = out_dtype or x.dtype
+        if w.gemv is not None:
+            g = w.gemv
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.shape[0] <= GEMV_MAX_M and self.gemv_lib is not None:
+                if x2.dtype not in (torch.float32, torch.bfloat16):
+                    x2 = x2.float()
+                if x2.stride(-1) != 1:
+                    x2 = x2.contiguous()
+                return _gemv(self.gemv_lib, g, x2, 0, out_dtype, bias).reshape(*x.shape[:-1], -1)
+            # larger batches: float32 GEMMs over k-chunks dequantized from the same layout
+            x2 = x2.float()
+            step = max(g.group_size, EXACT_F32_CHUNK // g.group_size * g.group_size)
+            y = None
+            for start in range(0, g.k, step):
+                end = min(start + step, g.k)
+                part = x2[:, start:end] @ g.dequantized(start, end).t()
+                y = part if y is None else y + part
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+            return y.to(out_dtype).reshape(*x.shape[:-1], -1)
         if w.scale_t is None:           # float32 mode: one GEMM on the dequantized copy
             y = x.to(w.weight_t.dtype) @ w.weight_t
         else:                           # compact: dequantize one k-chunk at a time, float32 GEMMs
@@ -224,4 +402,4 @@ class CpuBackend(ReferenceBackend):
                 y = part if y is None else y + part
         if bias is not None:
             y = y + bias.to(y.dtype)
-        return y.to(out_dtype or x.dtype)
+        return y.to(out_dtype)

@@ -1,0 +1,371 @@
+/* Quantized-weight GEMV for decode and small batches (ascend-quant): y[m, n] from x[m, k]
+ * and int8 or int4 weights, read once per call and converted in registers (no float weight
+ * matrix is ever written).
+ *
+ * Weight layout (made by runtime/kernels/cpu.py), per output channel j: `groups` groups of
+ * `gp` values, each holding the group's `gsz` in-features then zeros up to gp (a multiple of
+ * 32); int8 one value per byte, int4 two per byte along k: in each block of 32 values, byte
+ * i holds value i in its low nibble and value i + 16 in its high one (so a table lookup on
+ * each nibble gives 16 consecutive values). scale / offset: float32 [n, groups]. Per-channel is
+ * groups = 1, gsz = k. The activations are copied once per call into a float32 buffer of the
+ * same padded layout, so the inner loop has no tails.
+ *
+ * mode 0 (weight-only): y = x @ ((w - offset) * scale)^T + bias. Each vector lane sums one
+ * group's products, the group's scale multiplies the lanes once per group, the lanes are
+ * added at the end of the row; the offset enters as offset * scale * sum(x over the group).
+ * mode 1 (int8 activations, per-channel int4/int8 weights): acc = x_q @ w^T exactly, then
+ * y = ((acc * scale[j]) * pertoken[t]) + bias[j] in float32 (the reference's epilogue, in its
+ * order). Exact because every lane's partial sum is an integer of magnitude below 2^24 (the
+ * caller checks k against that bound) and the lanes are added as int32.
+ *
+ * Built three times: -mavx512bf16 (bfloat16 activations through VDPBF16PS, see below; the
+ * rest as AVX-512), -mavx512f -mavx512bw (16 floats a vector) and -mavx2 -mfma (8 floats);
+ * without -ffast-math and with -ffp-contract=off, so only the explicit FMAs fuse.
+ * OpenMP spreads the output channels over threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VW 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vld(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vset(float s) { return _mm512_set1_ps(s); }
+static inline vf wload8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* 32 weights starting at p into NV vectors, in k order */
+#define NV 2
+static inline void wload32_8(const int8_t *p, vf *w) { w[0] = wload8(p); w[1] = wload8(p + 16); }
+static inline void wload32_4(const uint8_t *p, vf *w) {       /* 16 bytes: nibble lookup */
+    const __m512 tab = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    w[0] = _mm512_permutexvar_ps(v, tab);                   /* uses the low 4 bits of each index */
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+}
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline int32_t vsum_int(vf a) { return _mm512_reduce_add_epi32(_mm512_cvtps_epi32(a)); }
+#if defined(__AVX512BF16__)
+int wq_isa(void) { return 516; }     /* AVX-512 with BF16 */
+#else
+int wq_isa(void) { return 512; }
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vld(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vset(float s) { return _mm256_set1_ps(s); }
+static inline vf wload8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#define NV 4
+static inline void wload32_8(const int8_t *p, vf *w) {
+    for (int v = 0; v < 4; v++) w[v] = wload8(p + 8 * v);
+}
+static inline void wload32_4(const uint8_t *p, vf *w) {       /* 16 bytes: nibble lookup */
+    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m128i f = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(b, f));
+    __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(b, 4), f));
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+static inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+static inline int32_t vsum_int(vf a) {
+    __m256i i = _mm256_cvtps_epi32(a);
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+int wq_isa(void) { return 2; }
+#else
+#error "wq_gemv.c needs AVX-512 (F, BW) or AVX2 + FMA"
+#endif
+
+#define MT_MAX 8        /* tokens per register tile */
+#define RB 4            /* output channels per block: R rows of a tile share each activation load */
+
+/* R output channels x MT tokens: per-group scaled lane sums (mode 0) or the exact integer dot
+ * products (mode 1, stored as int32 bits in res). R > 1 gives small tiles independent FMA
+ * chains (one chain is bound by the FMA latency). res[r * MT_MAX + t]. */
+static inline __attribute__((always_inline)) void row_tile(
+        const int R, const int MT, const int BITS, const float *xb, int64_t ldb, const void *wrow,
+        int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, int per_group, int exact, float *res) {
+    vf tot[RB][MT_MAX], ga[RB][MT_MAX];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) tot[r][t] = vzero();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < MT; t++) ga[r][t] = vzero();
+        const float *xg = xb + g * gp;
+        for (int64_t i = 0; i < gp; i += 32) {
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wr = (const uint8_t *)wrow + r * row_bytes;
+                vf w[NV];
+                if (BITS == 4) wload32_4(wr + (g * gp + i) / 2, w);
+                else wload32_8((const int8_t *)wr + g * gp + i, w);
+                for (int v = 0; v < NV; v++)
+                    for (int t = 0; t < MT; t++) ga[r][t] = vfma(w[v], vld(xg + t * ldb + i + v * VW), ga[r][t]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            if (per_group) {
+                vf s = vset(srow[r * groups + g]);
+                for (int t = 0; t < MT; t++) tot[r][t] = vfma(ga[r][t], s, tot[r][t]);
+            } else {
+                for (int t = 0; t < MT; t++) tot[r][t] = ga[r][t];   /* groups == 1 */
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) {
+            if (exact) {
+                int32_t a = vsum_int(tot[r][t]);
+                memcpy(&res[r * MT_MAX + t], &a, 4);
+            } else {
+                res[r * MT_MAX + t] = vsum(tot[r][t]);
+            }
+        }
+}
+
+#define TILE(R, M) { if (bits == 4) row_tile(R, M, 4, xb, ldb, wrow, row_bytes, groups, gp, srow, per_group, exact, res); \
+                     else row_tile(R, M, 8, xb, ldb, wrow, row_bytes, groups, gp, srow, per_group, exact, res); }
+
+/* rows: how many output channels (RB, or fewer at the end of n); returns how many it did */
+static inline int tile(int rows, int mt, int bits, const float *xb, int64_t ldb, const void *wrow, int64_t row_bytes,
+                       int64_t groups, int64_t gp, const float *srow, int per_group, int exact, float *res) {
+    if (mt == 1 && rows >= 4) { TILE(4, 1) return 4; }
+    if (mt <= 3 && rows >= 2) {
+        switch (mt) { case 1: TILE(2, 1) break; case 2: TILE(2, 2) break; default: TILE(2, 3) }
+        return 2;
+    }
+    switch (mt) {
+        case 1: TILE(1, 1) break; case 2: TILE(1, 2) break; case 3: TILE(1, 3) break; case 4: TILE(1, 4) break;
+        case 5: TILE(1, 5) break; case 6: TILE(1, 6) break; case 7: TILE(1, 7) break; default: TILE(1, 8)
+    }
+    return 1;
+}
+#undef TILE
+
+
+#if defined(__AVX512BF16__)
+/* bfloat16 activations (mode 0): the weights convert exactly to bfloat16 (integers of at
+ * most 8 significant bits) and VDPBF16PS multiplies 32 pairs a vector into float32 lanes.
+ * Per 64 values of a group: the weight vectors hold values [0..15, 32..47] and [16..31,
+ * 48..63] (what one nibble lookup of 32 bytes gives); the activation buffer holds the same
+ * order, and a trailing 32-value chunk of a group has zeros in the other slots. */
+#define HAVE_BF16 1
+static const uint16_t BF16_INT4[32] = {   /* bfloat16 of the int4 value of the low nibble, twice */
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
+
+static inline int64_t bf16_slot(int64_t q) {        /* position q of a 64-chunk in the buffer */
+    return q < 16 ? q : q < 32 ? q + 16 : q < 48 ? q - 16 : q;
+}
+
+static inline __m512bh high_words(__m512 a, __m512 b) {  /* bfloat16 of exact floats: their high halves */
+    const __m512i idx = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                          0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
+                                          0x00330031, 0x00370035, 0x003B0039, 0x003F003D);
+    return (__m512bh)_mm512_permutex2var_epi16(_mm512_castps_si512(a), idx, _mm512_castps_si512(b));
+}
+
+static inline void wbf16_8(const int8_t *p, int full, __m512bh *lo, __m512bh *hi) {
+    __m512 a = wload8(p), b = wload8(p + 16);
+    __m512 c = full ? wload8(p + 32) : _mm512_setzero_ps(), d = full ? wload8(p + 48) : _mm512_setzero_ps();
+    *lo = high_words(a, c);                         /* values 0..15 of a, then c's */
+    *hi = high_words(b, d);
+}
+
+static inline void wbf16_4(const uint8_t *p, int full, __m512i tab, __m512bh *lo, __m512bh *hi) {
+    __m256i b = full ? _mm256_loadu_si256((const __m256i *)p)
+                     : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m512i v = _mm512_cvtepu8_epi16(b);            /* index bits 0-4: low nibble (+16: same entry) */
+    *lo = (__m512bh)_mm512_permutexvar_epi16(v, tab);
+    *hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+}
+
+static inline __attribute__((always_inline)) void row_tile_bf16(
+        const int R, const int MT, const int BITS, const uint16_t *xb, int64_t ldb, int64_t gq, const void *wrow,
+        int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, int per_group, float *res) {
+    __m512 tot[RB][MT_MAX], ga[RB][MT_MAX], gb[RB][MT_MAX];   /* gb: the hi halves (a second FMA chain) */
+    const __m512i tab = _mm512_loadu_si512((const void *)BF16_INT4);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) tot[r][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < MT; t++) ga[r][t] = gb[r][t] = _mm512_setzero_ps();
+        const uint16_t *xg = xb + g * gq;
+        for (int64_t i = 0; i < gp; i += 64) {
+            const int full = i + 64 <= gp;
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wr = (const uint8_t *)wrow + r * row_bytes;
+                __m512bh lo, hi;
+                if (BITS == 4) wbf16_4(wr + (g * gp + i) / 2, full, tab, &lo, &hi);
+                else wbf16_8((const int8_t *)wr + g * gp + i, full, &lo, &hi);
+                for (int t = 0; t < MT; t++) {
+                    const uint16_t *xt = xg + t * ldb + i;
+                    ga[r][t] = _mm512_dpbf16_ps(ga[r][t], lo, (__m512bh)_mm512_loadu_si512((const void *)xt));
+                    gb[r][t] = _mm512_dpbf16_ps(gb[r][t], hi, (__m512bh)_mm512_loadu_si512((const void *)(xt + 32)));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            for (int t = 0; t < MT; t++) ga[r][t] = _mm512_add_ps(ga[r][t], gb[r][t]);
+            if (per_group) {
+                __m512 s = _mm512_set1_ps(srow[r * groups + g]);
+                for (int t = 0; t < MT; t++) tot[r][t] = _mm512_fmadd_ps(ga[r][t], s, tot[r][t]);
+            } else {
+                for (int t = 0; t < MT; t++) tot[r][t] = ga[r][t];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) res[r * MT_MAX + t] = _mm512_reduce_add_ps(tot[r][t]);
+}
+
+#define TILE_BF(R, M) { if (bits == 4) row_tile_bf16(R, M, 4, xb, ldb, gq, wrow, row_bytes, groups, gp, srow, per_group, res); \
+                        else row_tile_bf16(R, M, 8, xb, ldb, gq, wrow, row_bytes, groups, gp, srow, per_group, res); }
+
+static inline int tile_bf16(int rows, int mt, int bits, const uint16_t *xb, int64_t ldb, int64_t gq, const void *wrow,
+                            int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, int per_group, float *res) {
+    if (mt == 1 && rows >= 4) { TILE_BF(4, 1) return 4; }
+    if (mt <= 3 && rows >= 2) {
+        switch (mt) { case 1: TILE_BF(2, 1) break; case 2: TILE_BF(2, 2) break; default: TILE_BF(2, 3) }
+        return 2;
+    }
+    switch (mt) {
+        case 1: TILE_BF(1, 1) break; case 2: TILE_BF(1, 2) break; case 3: TILE_BF(1, 3) break; case 4: TILE_BF(1, 4) break;
+        case 5: TILE_BF(1, 5) break; case 6: TILE_BF(1, 6) break; case 7: TILE_BF(1, 7) break; default: TILE_BF(1, 8)
+    }
+    return 1;
+}
+#undef TILE_BF
+#define BF16_SLOT(q) bf16_slot(q)
+#else
+#define HAVE_BF16 0
+#define BF16_SLOT(q) (q)
+#endif
+
+static inline float load_x(const void *x, int xdt, int64_t i) {
+    if (xdt == 0) return ((const float *)x)[i];
+    if (xdt == 2) return (float)((const int8_t *)x)[i];
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)((const uint16_t *)x)[i] << 16;          /* bfloat16 */
+    return c.f;
+}
+
+static inline void store_y(void *y, int ydt, int64_t i, float v) {
+    if (ydt == 0) { ((float *)y)[i] = v; return; }
+    union { uint32_t u; float f; } c;
+    c.f = v;
+    uint32_t r = c.u + 0x7FFFu + ((c.u >> 16) & 1u);          /* bfloat16, round to nearest even */
+    ((uint16_t *)y)[i] = (uint16_t)(r >> 16);
+}
+
+/* x: [m, k] with row stride ldx, dtype xdt (0 float32, 1 bfloat16, 2 int8); y: [m, n] with row
+ * stride ldy, dtype ydt (0 float32, 1 bfloat16). offset, bias, pertoken may be NULL.
+ * Returns through y only; a failed allocation leaves y untouched and sets *status = 1. */
+void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
+             const void *w, int bits, int64_t n, int64_t groups, int64_t gsz, int64_t gp,
+             const float *scale, const float *offset, const float *bias, const float *pertoken,
+             int mode, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    (void)k;
+    const int64_t kp = groups * gp;
+    const int64_t row_bytes = bits == 4 ? kp / 2 : kp;
+    const int use_bf16 = HAVE_BF16 && xdt == 1 && mode == 0;
+    const int64_t gq = (gp + 63) / 64 * 64;           /* bfloat16 buffer: per group */
+    const int64_t ldb = use_bf16 ? groups * gq : kp;   /* buffer elements per token */
+    const size_t esz = use_bf16 ? 2 : 4;
+    void *buf = aligned_alloc(64, (m * ldb * esz + 64) / 64 * 64);
+    float *xsum = offset ? calloc((size_t)(m * groups), sizeof(float)) : NULL;
+    if (!buf || (offset && !xsum)) { free(buf); free(xsum); *status = 1; return; }
+    float *xb = buf;
+    uint16_t *xh = buf;
+    if (use_bf16) memset(buf, 0, m * ldb * esz);
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.f;
+            if (use_bf16) {
+                const uint16_t *src = (const uint16_t *)x + t * ldx + g * gsz;
+                uint16_t *dst = xh + t * ldb + g * gq;
+                for (int64_t i = 0; i < gsz; i++) {
+                    dst[i / 64 * 64 + BF16_SLOT(i % 64)] = src[i];
+                    if (xsum) s += load_x(src, 1, i);
+                }
+            } else {
+                float *dst = xb + t * kp + g * gp;
+                for (int64_t i = 0; i < gsz; i++) {
+                    dst[i] = load_x(x, xdt, t * ldx + g * gsz + i);
+                    s += dst[i];
+                }
+                for (int64_t i = gsz; i < gp; i++) dst[i] = 0.f;
+            }
+            if (xsum) xsum[t * groups + g] = s;
+        }
+    const int per_group = groups > 1;
+    const int64_t blocks = (n + RB - 1) / RB;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * kp * (m < 4 ? m : 4) >= (1 << 16))
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t j0 = b * RB, j1 = j0 + RB < n ? j0 + RB : n;
+        float res[RB * MT_MAX];
+        for (int64_t t0 = 0; t0 < m; t0 += MT_MAX) {
+            int mt = m - t0 < MT_MAX ? (int)(m - t0) : MT_MAX;
+            for (int64_t jr = j0; jr < j1;) {
+                const void *wr = (const uint8_t *)w + jr * row_bytes;
+                int done;
+#if HAVE_BF16
+                if (use_bf16)
+                    done = tile_bf16((int)(j1 - jr), mt, bits, xh + t0 * ldb, ldb, gq, wr, row_bytes, groups, gp,
+                                     scale + jr * groups, per_group, res);
+                else
+#endif
+                    done = tile((int)(j1 - jr), mt, bits, xb + t0 * kp, kp, wr, row_bytes, groups, gp,
+                                scale + jr * groups, per_group, mode == 1, res);
+                for (int r = 0; r < done; r++) {
+                    const int64_t j = jr + r;
+                    const float *srow = scale + j * groups;
+                    for (int t = 0; t < mt; t++) {
+                        float v, rv = res[r * MT_MAX + t];
+                        if (mode == 1) {
+                            int32_t a;
+                            memcpy(&a, &rv, 4);
+                            v = (float)a * srow[0];
+                            if (pertoken) v = v * pertoken[t0 + t];
+                        } else {
+                            v = per_group ? rv : rv * srow[0];
+                            if (offset) {
+                                float c = 0.f;
+                                for (int64_t g = 0; g < groups; g++)
+                                    c += offset[j * groups + g] * srow[g] * xsum[(t0 + t) * groups + g];
+                                v = v - c;
+                            }
+                        }
+                        if (bias) v = v + bias[j];
+                        store_y(y, ydt, (t0 + t) * ldy + j, v);
+                    }
+                }
+                jr += done;
+            }
+        }
+    }
+    free(buf);
+    free(xsum);
+}

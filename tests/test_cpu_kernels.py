@@ -1,0 +1,168 @@
+"""The CPU backend's C GEMV (`native/wq_gemv.c`) against the reference backend, on every
+instruction set this CPU runs (the narrower builds forced through `ASCEND_QUANT_CPU_ISA`),
+for token counts on both sides of `GEMV_MAX_M`.
+
+Comparisons: int8 activations x int4 weights accumulate exactly, so W4A8 per-channel equals
+the reference bit for bit (same float32 epilogue in the same order) and the bare integer
+products equal an int64 matmul. The weight-only and two-stage per-group paths sum float
+products in another order than the reference's GEMM: they agree within 1e-5 of the output's
+magnitude (float32 output), or one bfloat16 rounding (bfloat16 output)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.runtime.kernels import cpu
+from ascend_quant.runtime.kernels.cpu import GEMV_MAX_M, ISA_ENV, CpuBackend, cpu_isa
+from ascend_quant.runtime.kernels.reference import ReferenceBackend
+from ascend_quant.schemes import PreparedLinear
+
+REF = ReferenceBackend()
+ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu_isa()):-1])        # this CPU's widest down to avx2
+TOKENS = (1, 3, 5, 9, GEMV_MAX_M, GEMV_MAX_M + 3)      # register tiles 1-8, two tiles, the GEMM path
+
+
+@pytest.fixture(params=ISAS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv(ISA_ENV, request.param)
+    b = CpuBackend(gemm="f32")
+    assert b.gemv_lib is not None, "the GEMV kernel did not build (a C compiler is needed for these tests)"
+    b.gemv_lib.wq_isa.restype = ctypes.c_int
+    assert b.gemv_lib.wq_isa() == {"avx512bf16": 516, "avx512": 512, "avx2": 2}[request.param]
+    return b
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small shapes: one thread (the kernel runs single-threaded below 2^16 weights anyway)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_split_the_output_channels(backend):
+    """A shape large enough for the OpenMP loop, on two threads, equals one thread's result."""
+    g = torch.Generator().manual_seed(2)
+    w_int, scale = numerics.quantize_weight(torch.randn(1030, 576, generator=g), 4, 64)
+    prep = backend.prepare_weight_only(w_int, scale, None, 4, torch.float32)
+    x = torch.randn(3, 576, generator=g)
+    one = backend.weight_only_matmul(x, prep)
+    torch.set_num_threads(2)
+    assert torch.equal(backend.weight_only_matmul(x, prep), one)
+
+
+def test_this_cpu_has_a_gemv_path():
+    assert ISAS, f"no AVX2/AVX-512 on this CPU ({cpu_isa()}): the GEMV kernel cannot be tested here"
+
+
+def _close(got, want, out_dtype):
+    scale = want.abs().max().item() + 1e-6
+    tol = 1e-5 if out_dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+
+
+# n = 38: not a multiple of the 4-channel row blocks; k = 77: not a multiple of any vector
+# width (padded to 96); group 24: padded to 32 inside every group
+@pytest.mark.parametrize("bits,n,k,group", [(8, 38, 77, 0), (8, 64, 160, 32), (8, 38, 72, 24),
+                                            (4, 38, 78, 0), (4, 64, 256, 64), (4, 38, 72, 24)])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_gemv(backend, bits, n, k, group, asym, dtype):
+    g = torch.Generator().manual_seed(bits * 1000 + k)
+    w_int, scale = numerics.quantize_weight(torch.randn(n, k, generator=g) * 0.05, bits, group)
+    offset = torch.randint(-3, 4, scale.shape, generator=g).float() if asym else None
+    bias = torch.randn(n, generator=g)
+    prep = backend.prepare_weight_only(w_int, scale, offset, bits, dtype)
+    assert prep.gemv is not None and prep.weight_t is None        # only the integers are held
+    ref = REF.prepare_weight_only(w_int, scale, offset, bits)
+    for m in TOKENS:
+        x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+        for b in (None, bias):
+            got = backend.weight_only_matmul(x, prep, bias=b)
+            assert got.dtype == dtype and got.shape == (m, n)
+            _close(got, REF.weight_only_matmul(x, ref, bias=b), dtype)
+    x3 = torch.randn(2, 3, k, generator=g).to(dtype)              # leading dims kept
+    _close(backend.weight_only_matmul(x3, prep), REF.weight_only_matmul(x3, ref), dtype)
+
+
+@pytest.mark.parametrize("k", [77, 4000])
+def test_w4a8_per_channel_is_exact(backend, k):
+    """Full-range int8 activations times int4 weights (extremes included), k beyond the
+    reference's 1024-chunks: the integer products are exact, the epilogue is the reference's."""
+    g = torch.Generator().manual_seed(k)
+    n = 38
+    w4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    w4[0] = -8
+    x_q = torch.randint(-128, 128, (GEMV_MAX_M + 2, k), generator=g, dtype=torch.int8)
+    x_q[0] = -128
+    ones = backend.prepare_int8(w4, torch.ones(n), bits=4)
+    assert ones.gemv is not None
+    for m in TOKENS:
+        got = backend.int8_matmul(x_q[:m], ones)
+        assert torch.equal(got.double(), (x_q[:m].double() @ w4.double().t()))   # below 2^24: exact in float32
+    scale = torch.rand(n, generator=g) * 0.01
+    s_t = torch.rand(x_q.shape[0], 1, generator=g)
+    bias = torch.randn(n, generator=g)
+    prep, ref = backend.prepare_int8(w4, scale, bits=4), REF.prepare_int8(w4, scale)
+    for m in TOKENS:
+        for out_dtype in (torch.float32, torch.bfloat16):
+            args = dict(pertoken_scale=s_t[:m], bias=bias, out_dtype=out_dtype)
+            got = backend.int8_matmul(x_q[:m], prep, **args)
+            want = REF.int8_matmul(x_q[:m], ref, **args)
+            assert got.dtype == out_dtype and torch.equal(got, want)
+
+
+def test_two_stage_w4a8_per_group(backend):
+    """Two-stage per-group W4A8: int8 activations times the dequantized int4 weight, the
+    per-token scale after. Within a group each vector lane sums integer products exactly; the
+    group scale multiplies the lane sums once, so only the float sums across groups round."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 38, 256
+    w = torch.randn(n, k, generator=g) * 0.05
+    w4, s1, s2 = numerics.two_stage_int4(w, 64)
+    t = dict(weight=numerics.pack_int4(w4),
+             weight_scale=s1, weight_offset=torch.zeros_like(s1),
+             weight_scale_second=s2, weight_offset_second=torch.zeros_like(s2, dtype=torch.int64))
+    mine = PreparedLinear.build("W4A8_DYNAMIC", t, backend=backend)
+    assert mine.prepared.gemv is not None
+    theirs = PreparedLinear.build("W4A8_DYNAMIC", t, backend=REF)
+    bias = torch.randn(n, generator=g)
+    for m in TOKENS:
+        x = torch.randn(m, k, generator=g)
+        _close(mine(x, bias), theirs(x, bias), torch.float32)
+
+
+def test_isa_switch(monkeypatch):
+    monkeypatch.setenv(ISA_ENV, "sse")
+    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_ISA='sse': use one of avx512bf16, avx512, avx2, off"):
+        CpuBackend(gemm="f32")
+    monkeypatch.setenv(ISA_ENV, "off")          # the torch path: integers in the [k, n] layout
+    b = CpuBackend(gemm="f32")
+    assert b.gemv_lib is None
+    w_int, scale = numerics.quantize_weight(torch.randn(40, 64) * 0.05, 4, 32)
+    prep = b.prepare_weight_only(w_int, scale, None, 4)
+    assert prep.gemv is None and prep.weight_t is not None
+    x = torch.randn(3, 64)
+    _close(b.weight_only_matmul(x, prep), REF.weight_only_matmul(x, REF.prepare_weight_only(w_int, scale, None, 4)),
+           torch.float32)
+    wider = cpu.ISAS[:cpu.ISAS.index(cpu_isa())]
+    for isa in wider:                           # refused, not run into an illegal instruction
+        monkeypatch.setenv(ISA_ENV, isa)
+        with pytest.raises(ValueError, match=f"this CPU has no {isa}"):
+            CpuBackend(gemm="f32")
+
+
+def test_gemv_layout_round_trips():
+    """What the GEMM path (more than GEMV_MAX_M tokens) reads back from the kernel's layout."""
+    g = torch.Generator().manual_seed(1)
+    for bits, k, groups in [(4, 72, 3), (4, 78, 1), (8, 77, 1), (8, 72, 3)]:
+        lo, hi = numerics.qrange(bits)
+        q = torch.randint(lo, hi + 1, (6, k), generator=g, dtype=torch.int8)
+        gw = cpu.GemvWeight.build(q, torch.rand(6, groups), None, bits)
+        assert gw.q.numel() * (2 if bits == 4 else 1) == 6 * groups * gw.gp
+        assert torch.equal(gw.values(0, k), q) and torch.equal(gw.values(5, k - 7), q[:, 5:k - 7])
