@@ -66,8 +66,11 @@ def _served_experts(model) -> list[dict]:
             info = {"layer": name, "method": type(m.quant_method).__name__}
             if hasattr(m, "ascend_experts"):
                 w13, w2 = m.ascend_experts[0]
-                info.update(count=len(m.ascend_experts), w13_dtype=str(w13.prepared.weight_t.dtype),
-                            w13_packed=w13.prepared.packed, w13_bytes=w13.prepared.weight_t.numel(),
+                gemv = getattr(w13.prepared, "gemv", None)       # the cpu backend's GEMV layout, if used
+                held = gemv.q if gemv is not None else w13.prepared.weight_t
+                packed = gemv.bits == 4 if gemv is not None else w13.prepared.packed
+                info.update(count=len(m.ascend_experts), w13_dtype=str(held.dtype),
+                            w13_packed=packed, w13_bytes=held.numel(),
                             w13_shape=(w13.n, w13.k), w2_shape=(w2.n, w2.k), group_size=(w13.group_size, w2.group_size))
             out.append(info)
     return out
