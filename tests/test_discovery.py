@@ -254,16 +254,11 @@ def test_vllm_serves_discovered_granite_like_the_reference(granite_w8a8):
     reference forward (C8 simulated), the plugin reading the spec saved in config.json."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from test_vllm_runtime import LOGPROB_TOL, MAX_TOKENS, PROMPTS, reference_logprobs, run_engine
+    from test_vllm_runtime import assert_matches_reference, run_engine
 
     from ascend_quant.runtime.vllm.config import AscendQuantConfig
     config = AscendQuantConfig()
     config.maybe_update_config(str(granite_w8a8))
     assert config.spec.discovered and len(config.c8_layers()) == 2
 
-    for prompt, (tokens, logprobs) in zip(PROMPTS, run_engine(granite_w8a8)):
-        assert len(tokens) == MAX_TOKENS
-        ref = reference_logprobs(granite_w8a8, prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (prompt, i, t, ref[i].argmax().item())
-            assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (i, lp, ref[i, t].item())
+    assert_matches_reference(granite_w8a8, run_engine(granite_w8a8), "granite")

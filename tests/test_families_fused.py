@@ -160,7 +160,7 @@ def test_vllm_serves_w8a8_with_the_int8_kv_cache_like_the_reference(tmp_path, ti
     attention's `k_proj` / `v_proj` names (as vllm-ascend maps them, arch/phi3.py), verify
     accepts them, and vLLM's int8 paged cache gives the greedy tokens and log-probs of the
     reference forward with the same scales simulated."""
-    from test_vllm_runtime import LOGPROB_TOL, MAX_TOKENS, PROMPTS, reference_logprobs, run_engine
+    from test_vllm_runtime import PROMPTS, assert_matches_reference, run_engine
 
     from ascend_quant.runtime.reference_model import load_reference_model
 
@@ -183,13 +183,7 @@ def test_vllm_serves_w8a8_with_the_int8_kv_cache_like_the_reference(tmp_path, ti
         c8 = load_reference_model(out, torch.float32, kv_cache=True)(ids).logits
         plain = load_reference_model(out, torch.float32)(ids).logits
     assert (c8 - plain).abs().max() > 1e-4
-    generations = run_engine(out)
-    for prompt, (tokens, logprobs) in zip(PROMPTS, generations):
-        assert len(tokens) == MAX_TOKENS
-        ref = reference_logprobs(out, prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (family, prompt, i, t, ref[i].argmax().item())
-            assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (family, i, lp, ref[i, t].item())
+    assert_matches_reference(out, run_engine(out), family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

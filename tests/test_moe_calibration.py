@@ -391,14 +391,9 @@ def test_a_calibrated_moe_checkpoint_serves_in_vllm_like_the_reference(family, s
     """The two halves together: what our calibrator writes for experts (per-expert names,
     router FLOAT, shared expert) is what our vLLM experts method loads, and vLLM's greedy
     tokens and log-probs are those of the reference model on the same checkpoint."""
-    from test_vllm_runtime import LOGPROB_TOL, MAX_TOKENS, PROMPTS, reference_logprobs, run_engine
+    from test_vllm_runtime import assert_matches_reference, run_engine
 
     out = tmp_path / "out"
     _calibrate(tiny[family], out, recipes.preset(scheme, 0 if scheme == "w4a8" else None), calib_jsonl)
     assert verify(out).ok
-    for prompt, (tokens, logprobs) in zip(PROMPTS, run_engine(out)):
-        assert len(tokens) == MAX_TOKENS
-        ref = reference_logprobs(out, prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (family, prompt, i, t, ref[i].argmax().item())
-            assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (family, i, lp, ref[i, t].item())
+    assert_matches_reference(out, run_engine(out), family)

@@ -14,8 +14,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,7 @@ from ascend_quant import numerics  # noqa: E402
 from ascend_quant.runtime import kernels  # noqa: E402
 from ascend_quant.runtime.kernels.moe import routed_experts  # noqa: E402
 from ascend_quant.schemes import PreparedLinear, QuantizedLinear, get_scheme  # noqa: E402
-from test_vllm_runtime import MAX_TOKENS, PROMPTS, run_engine as runtime_engine  # noqa: E402
+from test_vllm_runtime import MAX_TOKENS, PROMPTS, run_engine as runtime_engine, run_engine_tp2  # noqa: E402
 from moe_helpers import (  # noqa: E402
     NUM_EXPERTS, build_tiny_moe, dequantized_expert, fake_quant_per_token, quantize_experts, reference_model,
 )
@@ -165,38 +163,15 @@ def test_compiled_mode_gives_the_eager_tokens(name, generations, compiled_genera
     assert compiled_generations[name][1] == generations[name][1]
 
 
-_TP_SCRIPT = """
-import json, sys
-if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
-    llm = LLM(sys.argv[1], quantization="ascend", enforce_eager=True, dtype="float32", max_model_len=128,
-              tensor_parallel_size=2, distributed_executor_backend="mp", seed=0, max_num_seqs=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
-                        SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, logprobs=1, ignore_eos=True))
-    res = [[list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]]
-           for c in (o.outputs[0] for o in outs)]
-    print("RESULT " + json.dumps(res), flush=True)
-"""
-
-
 def test_tensor_parallel_2_matches_the_reference(float_models, checkpoints, tmp_path):
     """W4A8_DYNAMIC experts at TP=2 in worker processes: each rank loads half of every expert's
     intermediate channels (w13 rows of gate and of up, w2 in-features, and 8 of down's 16
     scale_bias chunks), vLLM all-reduces the partial sums. Down's input is quantized per token
     on each rank's half, as on the NPU, which the reference models (tp=2)."""
     name = "qwen3-W4A8_DYNAMIC"
-    script = tmp_path / "tp2.py"
-    script.write_text(_TP_SCRIPT)
-    ncpu = os.cpu_count() or 1
-    bind = "0|1" if ncpu < 4 else f"0-{ncpu // 2 - 1}|{ncpu // 2}-{ncpu - 1}"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    r = subprocess.run([sys.executable, str(script), str(checkpoints[name]), json.dumps(PROMPTS[:2]),
-                        str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=400)
-    lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, (r.stdout[-2000:], r.stderr[-4000:])
+    tp2 = run_engine_tp2(checkpoints[name], PROMPTS[:2], tmp_path)
     ref = reference_model(float_models["qwen3_moe"], checkpoints[name], tp=2)
-    for prompt, (tokens, logprobs) in zip(PROMPTS, json.loads(lines[-1][len("RESULT "):])):
+    for prompt, (tokens, logprobs) in zip(PROMPTS, tp2):
         rl = _logprobs(ref, prompt, tokens)
         for i, (t, lp) in enumerate(zip(tokens, logprobs)):
             assert rl[i, t] >= rl[i].max() - LOGPROB_TOL, (prompt, i, t, rl[i].argmax().item())

