@@ -65,9 +65,13 @@ def structure_problems(ckpt: Checkpoint) -> list[str]:
     they belong. `convert` runs it before computing with a layer's tensors."""
     report = Report(str(ckpt.path))
     _check_keys(ckpt, report)
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}       # module -> suffix -> stored shape
+    for name, info in ckpt.infos.items():
+        module, _, suffix = name.rpartition(".")
+        shapes.setdefault(module, {})[suffix] = tuple(info.shape)
     for prefix, mod in ckpt.modules().items():
         if is_linear(mod.weight_scheme):
-            _check_linear(ckpt, prefix, mod.weight_scheme, report)
+            _check_linear(ckpt, prefix, mod.weight_scheme, shapes.get(prefix, {}), report)
     _check_kv(ckpt, report)
     return report.problems
 
@@ -145,8 +149,10 @@ def _info(ckpt: Checkpoint, name: str) -> TensorInfo | None:
     return ckpt.infos.get(name)
 
 
-def _check_linear(ckpt: Checkpoint, prefix: str, scheme_name: str, report: Report) -> None:
-    """The tensors, dtypes and shapes the scheme's `tensor_specs` asks for, and its value rules."""
+def _check_linear(ckpt: Checkpoint, prefix: str, scheme_name: str, shapes: dict[str, tuple[int, ...]],
+                  report: Report) -> None:
+    """The tensors, dtypes and shapes the scheme's `tensor_specs` asks for, and its value rules
+    (`shapes`: suffix -> stored shape of the module's tensors)."""
     scheme = SCHEMES[scheme_name]
     weight = _info(ckpt, f"{prefix}.weight")
     if weight is None:
@@ -161,8 +167,6 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme_name: str, report: Repor
     if scheme.packed and (n % 2 or tuple(weight.shape) != (n // 2, k)):
         report.problems.append(f"{fname}: {prefix}.weight holds packed int4 {list(weight.shape)}, but weight_scale "
                                f"says {n} out-features, so it must be [{n // 2}, {k}] (two int4 per byte along n)")
-    shapes = {name[len(prefix) + 1:]: tuple(info.shape) for name, info in ckpt.infos.items()
-              if name.startswith(prefix + ".") and "." not in name[len(prefix) + 1:]}
     group_size, two_stage = scheme.layout_of(shapes, ckpt.group_size)
     if two_stage and ckpt.group_size and group_size != ckpt.group_size:
         group_size = ckpt.group_size if k % ckpt.group_size == 0 else -1

@@ -25,7 +25,7 @@ import torch
 
 from ascend_quant.formats.ascend import CheckpointError, DESCRIPTION_NAME, TOP_LEVEL_KEYS, read_checkpoint
 from ascend_quant.arch import DEFAULT as DEFAULT_SPEC, ArchSpec, spec_for_config
-from ascend_quant.schemes import SCHEMES, is_float, is_kv, is_linear
+from ascend_quant.schemes import SCHEMES, W4A8_GROUP_TENSORS, is_float, is_kv, is_linear
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
@@ -53,6 +53,7 @@ class AscendQuantConfig(QuantizationConfig):
         self.hf_quant_config = dict(hf_quant_config or {})
         self.description_file = DESCRIPTION_NAME
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._shapes_by_module: dict[str, dict[str, tuple[int, ...]]] | None = None
         self.spec: ArchSpec = DEFAULT_SPEC       # the checkpoint's family, from its config.json
         self._warned_c8 = False
 
@@ -107,6 +108,7 @@ class AscendQuantConfig(QuantizationConfig):
         self.meta = dict(ckpt.meta)
         self.description_file = str(ckpt.description_file)
         self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in ckpt.infos.items()}
+        self._shapes_by_module = None
         self.spec = spec_for_config(ckpt.config)
         self.validate()
 
@@ -241,13 +243,30 @@ class AscendQuantConfig(QuantizationConfig):
                 return key if key in self.description else None
         return None
 
-    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
-        return self.shapes.get(name, (None,))[0]
+    def layout(self, prefix: str, scheme_name: str) -> tuple[int, bool]:
+        """(group size, two-stage?) of the stored Linear `prefix` of a scheme: from the file
+        headers, else (no headers) from the description's group_size and keys."""
+        scheme = SCHEMES[scheme_name]
+        requested = int(self.meta.get("group_size") or 0)
+        shapes = self.shapes_of(prefix)
+        if "weight" not in shapes:
+            two_stage = any(f"{prefix}.{s}" in self.description for s in W4A8_GROUP_TENSORS)
+            g = scheme.group_size_for(requested)
+            return (g if two_stage or scheme.activation_bits is None else 0), two_stage
+        group_size, two_stage = scheme.layout_of(shapes, requested)
+        if group_size < 0:
+            raise ValueError(f"{prefix}: its scales do not divide its in-features into groups")
+        return group_size, two_stage
 
-    def group_count(self, shard: str, suffix: str = "weight_scale") -> int | None:
-        """Groups along k of a shard's scale from the file header ([n, groups]); None if unknown."""
-        shape = self.tensor_shape(f"{shard}.{suffix}")
-        return shape[-1] if shape and len(shape) == 2 else None
+    def shapes_of(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """suffix -> stored shape of one module's tensors (`weight`, `weight_scale`, ...) from the
+        file headers; {} without headers (a description passed in directly)."""
+        if self._shapes_by_module is None:
+            self._shapes_by_module = {}
+            for key, (shape, _) in self.shapes.items():
+                module, _, suffix = key.rpartition(".")
+                self._shapes_by_module.setdefault(module, {})[suffix] = shape
+        return self._shapes_by_module.get(prefix, {})
 
 
 class AscendQuantAliasConfig(AscendQuantConfig):

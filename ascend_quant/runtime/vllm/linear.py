@@ -23,7 +23,7 @@ import torch
 
 from ascend_quant.runtime import kernels
 from ascend_quant.runtime.vllm import ops
-from ascend_quant.schemes import FLOAT, LINEAR_SCHEMES, SCHEMES, W4A8_GROUP_TENSORS, PreparedLinear, SchemeError, TensorSpec
+from ascend_quant.schemes import FLOAT, LINEAR_SCHEMES, SCHEMES, PreparedLinear, SchemeError, TensorSpec
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
@@ -107,22 +107,6 @@ class AscendQuantLinearMethod(LinearMethodBase):
         self.norm_bias = norm_bias
 
     # ------------------------------------------------------------------ declare
-    def _layout(self, k_total: int) -> tuple[int, bool]:
-        """(group size along the full k, two-stage?) from the checkpoint header, else group_size."""
-        first = self.shards[0]
-        shapes = {suffix: shape for key, (shape, _) in self.config.shapes.items()
-                  if key.startswith(first + ".") and "." not in (suffix := key[len(first) + 1:])}
-        scheme = SCHEMES[self.scheme]
-        requested = int(self.config.meta.get("group_size") or 0)
-        if "weight" not in shapes:            # no header (description passed in directly)
-            two_stage = any(f"{first}.{s}" in self.config.description for s in W4A8_GROUP_TENSORS)
-            g = scheme.group_size_for(requested)
-            return (g if two_stage or scheme.activation_bits is None else 0), two_stage
-        group_size, two_stage = scheme.layout_of(shapes, requested)
-        if group_size < 0:
-            raise ValueError(f"{first}: its scales do not divide its {k_total} in-features into groups")
-        return group_size, two_stage
-
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         loader = extra_weight_attrs["weight_loader"]
@@ -138,7 +122,7 @@ class AscendQuantLinearMethod(LinearMethodBase):
         if scheme.packed and any(s % 2 for s in output_partition_sizes):
             raise ValueError(f"{self.prefix}: int4 weights pack two output channels per byte; "
                              f"shard sizes {output_partition_sizes} are not all even")
-        group_size, two_stage = self._layout(input_size)
+        group_size, two_stage = self.config.layout(self.shards[0], self.scheme)
         if group_size and k % group_size:
             raise ValueError(f"{self.prefix}: group size {group_size} does not divide this rank's {k} in-features")
         try:

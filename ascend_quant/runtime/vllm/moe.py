@@ -56,20 +56,6 @@ class AscendQuantMoEMethod(FusedMoEMethodBase):
         self.specs: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ declare
-    def _layout(self) -> tuple[int, bool]:
-        """(group size, two-stage?) of expert 0's gate projection from the checkpoint header."""
-        first = f"{self.prefix}.0.{self.names[0]}"
-        shapes = {key[len(first) + 1:]: shape for key, (shape, _) in self.config.shapes.items()
-                  if key.startswith(first + ".") and "." not in key[len(first) + 1:]}
-        scheme = SCHEMES[self.scheme]
-        requested = int(self.config.meta.get("group_size") or 0)
-        if "weight" not in shapes:
-            return scheme.group_size_for(requested) if scheme.activation_bits is None else 0, False
-        group_size, two_stage = scheme.layout_of(shapes, requested)
-        if group_size < 0:
-            raise ValueError(f"{first}: its scales do not divide its in-features into groups")
-        return group_size, two_stage
-
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
         moe = self.moe
@@ -86,7 +72,7 @@ class AscendQuantMoEMethod(FusedMoEMethodBase):
         if scheme.packed and i % 2:
             raise ValueError(f"{self.prefix}: int4 experts pack two output channels per byte; "
                              f"this rank's {i} intermediate channels are odd")
-        group_size, two_stage = self._layout()
+        group_size, two_stage = self.config.layout(f"{self.prefix}.0.{self.names[0]}", self.scheme)
         for k in (h, i):
             if group_size and k % group_size:
                 raise ValueError(f"{self.prefix}: group size {group_size} does not divide this rank's {k} in-features")
