@@ -243,8 +243,8 @@ def test_onednn_is_refused_without_vnni(monkeypatch):
 
 
 def test_dynamic_quantizer_has_no_value_branch():
-    """vLLM's fused quantizer with the all-zero-token fix-up done by masks: an all-zero row gets
-    scale 1 and zeros, like the reference, and the result is the same under torch.compile."""
+    """The C per-token quantizer: an all-zero row gets scale 1 and zeros, like the reference
+    (no branch on the values in Python), and the result is the same under torch.compile."""
     x = torch.randn(5, 64)
     x[2] = 0
     b = CpuBackend(gemm="f32")

