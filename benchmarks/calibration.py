@@ -82,6 +82,16 @@ SCHEMES: dict[str, dict] = {
             "msmodelslim": "smooth_quant alpha 0.8 + linear_quant minmax, act per_tensor asym",
         },
     },
+    "w8a8-dynamic-c8": {
+        "title": "W8A8_DYNAMIC + C8",
+        "ours": ["--scheme", "w8a8-dynamic", "--kv-cache", "int8"],
+        "notes": {"ours": "the W8A8_DYNAMIC preset with the int8 KV cache (MSE per-channel scales)"},
+    },
+    "w8a8-dynamic-c8-gptq": {
+        "title": "W8A8_DYNAMIC + C8, GPTQ (`--method gptq`)",
+        "ours": ["--scheme", "w8a8-dynamic", "--kv-cache", "int8", "--method", "gptq"],
+        "notes": {"ours": "the W8A8_DYNAMIC preset's smoothing with GPTQ weights, and the int8 KV cache"},
+    },
     "c8": {
         "title": "C8 KV only (float weights)",
         "ours": ["--scheme", "float", "--kv-cache", "int8"],
@@ -370,8 +380,8 @@ def prepare_data(model: Path, samples: int, tokens: int, seq_len: int, work: Pat
     calib.write_text("\n".join(lines) + "\n", encoding="utf-8")
     os.chmod(calib, 0o640)        # msModelSlim refuses files others may write
     if special:
-        print(f"[data] WARNING: {model.name}'s tokenizer adds special tokens (BOS/EOS): msModelSlim's samples "
-              "carry them, ascend-quant's and llm-compressor's do not", flush=True)
+        print(f"[data] note: {model.name}'s tokenizer adds special tokens: msModelSlim's samples carry them, "
+              "ascend-quant's carry its BOS (calibration.data.bos_prefix), llm-compressor's none", flush=True)
     windows = eval_windows(wiki_paragraphs("eval"), tok, tokens, seq_len)
     wpath = work / "eval_windows.pt"
     torch.save(windows.clone(), wpath)

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/report.py          # rewrites README.md between the markers
 
-Reads benchmarks/results/{calibration,runtime,runtime-e2e,weight_memory,kv_cache}.* (whichever exist; quick and
+Reads benchmarks/results/{calibration,calibration-gemma,runtime,runtime-e2e,weight_memory,kv_cache}.* (whichever exist; quick and
 ad-hoc runs are ignored) and replaces the text between `<!-- results:start -->` and
 `<!-- results:end -->` in README.md. Every number in that section comes from those files.
 """
@@ -19,6 +19,9 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 LABELS = {"ours": "ascend-quant", "llmcompressor": "llm-compressor", "msmodelslim": "msModelSlim"}
+# The real models' float weights are dequantized GGUFs (README "Reference model"): the
+# quantization they once had, named beside every 4-bit figure
+GGUF_ONCE = {"SmolLM2-135M-Instruct": "Q4_1", "gemma-3-270m": "Q4_K_M"}
 
 
 def _load(name: str) -> dict | None:
@@ -26,11 +29,14 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def calibration_section(d: dict) -> list[str]:
+def calibration_section(d: dict, title: str = "Calibration: ascend-quant vs llm-compressor vs msModelSlim",
+                        png: str = "calibration") -> list[str]:
     s = d["settings"]
     fl = d["float_ppl"]
-    out = ["### Calibration: ascend-quant vs llm-compressor vs msModelSlim", "",
-           f"`{d['command']}` ({d['created'][:16]}; {d['data'].get('samples', s.get('samples'))} calibration "
+    model = Path(s.get("model") or "").name
+    gguf = GGUF_ONCE.get(model)
+    out = [f"### {title}", "",
+           f"`{d['command']}` ({d['created'][:16]}; model `{model}`; {d['data'].get('samples', s.get('samples'))} calibration "
            f"paragraphs, {d['data'].get('calib_tokens', '?')} tokens; perplexity on {s.get('eval_tokens')} held-out "
            f"tokens at context 512; float perplexity {fl:.4f}; {d['machine'].get('cpus', '?')} CPUs, load "
            f"average at start {d['machine'].get('load_avg_at_start', ['?'])[0]:.1f}).", "",
@@ -38,8 +44,10 @@ def calibration_section(d: dict) -> list[str]:
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["runs"]:
         ppl = r.get("ppl")
-        title = d["schemes"].get(r["scheme"], {}).get("title", r["scheme"]) if isinstance(d.get("schemes"), dict) else r["scheme"]
-        out.append(f"| {title} | {LABELS.get(r['tool'], r['tool'])} | {r['threads']} | {r['wall_s']:.1f} | "
+        label = d["schemes"].get(r["scheme"], {}).get("title", r["scheme"]) if isinstance(d.get("schemes"), dict) else r["scheme"]
+        if gguf and r["scheme"].startswith("w4"):
+            label += f", weights 4-bit GGUF ({gguf}) once"
+        out.append(f"| {label} | {LABELS.get(r['tool'], r['tool'])} | {r['threads']} | {r['wall_s']:.1f} | "
                    f"{r['peak_rss_mb']:.0f} | {r.get('output_mb') or 0:.0f} | {'' if ppl is None else f'{ppl:.4f}'} | "
                    f"{'' if ppl is None else f'{ppl / fl - 1:+.2%}'} |")
     ratios = []
@@ -57,8 +65,8 @@ def calibration_section(d: dict) -> list[str]:
         out += ["", "Ratios ascend-quant / anchor (below 1: ours is faster / smaller / better):", "",
                 "| scheme | anchor | threads | wall time | peak RSS | perplexity |", "|---|---|---:|---:|---:|---:|",
                 *ratios]
-    if (RESULTS / "calibration.png").is_file():
-        out += ["", "![calibration benchmark](benchmarks/results/calibration.png)"]
+    if (RESULTS / f"{png}.png").is_file():
+        out += ["", f"![{title}](benchmarks/results/{png}.png)"]
     return out
 
 
@@ -82,6 +90,9 @@ def build() -> str:
     cal = _load("calibration")
     if cal:
         lines += calibration_section(cal) + [""]
+    gemma = _load("calibration-gemma")
+    if gemma:
+        lines += calibration_section(gemma, "Calibration: Gemma-3-270m (ascend-quant)", "calibration-gemma") + [""]
     lines += markdown_file_section("runtime", "Runtime kernels (CPU)") + [""]
     lines += markdown_file_section("runtime-e2e", "vLLM end to end: tokens/s and weight memory per scheme") + [""]
     lines += markdown_file_section("weight_memory", "Weight memory of quantized Linears in vLLM") + [""]
