@@ -103,7 +103,7 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ascend_quant.arch import SPECS, replace_experts, spec_for_model
+        from ascend_quant.arch import explicit_spec, replace_experts, spec_for_model
         from ascend_quant.arch.discovery import find_layers
 
         self.folder, self.device = Path(folder), device
@@ -113,7 +113,7 @@ class StreamedModel:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.eval()
         self.model = model
-        explicit = getattr(config, "model_type", None) in SPECS
+        explicit = explicit_spec(config) is not None
         # without an explicit spec the layers are found by structure now, the rest is probed
         # below on the embeddings and layer 0 (discovery needs their weights)
         self.spec = spec_for_model(model) if explicit else None
