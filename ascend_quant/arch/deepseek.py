@@ -21,7 +21,9 @@ reading post_attention_layernorm with the router: nothing folds there. The MLA c
 compressed KV, not per-head K/V: no int8 KV cache (C8) here.
 
 V3's router carries a persistent buffer `e_score_correction_bias` (float32 in transformers and
-vLLM), written FLOAT.
+vLLM), written FLOAT. V3 checkpoints also store `num_nextn_predict_layers` MTP layers after the
+model's own (`model.layers.{num_hidden_layers}`), which transformers does not build: they are
+copied FLOAT (`ArchSpec.is_extra_layer`), as vllm-ascend asks of msModelSlim's outputs.
 """
 
 from dataclasses import replace

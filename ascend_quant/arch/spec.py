@@ -30,6 +30,10 @@ A model type may have several specs told apart by its config (`ArchSpec.variant`
 with and without a low-rank query, `q_lora_rank`); `arch.spec_for_model` / `spec_for_config`
 pick the one whose variant the config satisfies.
 
+Decoder layers stored after the model's own (`index >= num_hidden_layers`: DeepSeek-V3's
+multi-token-prediction layers) are not built by transformers; `is_extra_layer` names their
+tensors, which calibration copies FLOAT and the checkpoint tools accept.
+
 A Mixture-of-Experts layer (`ArchSpec.moe`, arch/moe.py) replaces the dense MLP groups by
 one gate/up and one down group per routed expert (templated on `{e}`), plus any shared
 expert's groups; the router and shared-expert gate stay FLOAT. Which layers are MoE is read
@@ -136,6 +140,13 @@ class ArchSpec:
             return True
         key, is_set = self.variant
         return (config_get(config, key) is not None) == is_set
+
+    def is_extra_layer(self, name: str, config) -> bool:
+        """A tensor (or module) of a decoder layer stored after the model's `num_hidden_layers`
+        (DeepSeek-V3's MTP layers): transformers builds none, calibration copies them FLOAT."""
+        n = config_get(config, "num_hidden_layers")
+        i = self.layer_index(name) if name.startswith(self.layers_path + ".") else None
+        return isinstance(n, int) and i is not None and i >= n
 
     def to_dict(self) -> dict:
         """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back.

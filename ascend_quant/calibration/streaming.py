@@ -83,6 +83,19 @@ class WeightFiles:
         with _open(self.where[name]) as f:
             return tuple(f.get_slice(name).get_shape())
 
+    def headers(self, names: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The stored shape and safetensors dtype (`"BF16"`, `"F8_E4M3"`) of `names`, one open per file."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            by_file[self.where[name]].append(name)
+        out = {}
+        for path, file_names in by_file.items():
+            with _open(path) as f:
+                for n in file_names:
+                    part = f.get_slice(n)
+                    out[n] = tuple(part.get_shape()), part.get_dtype()
+        return out
+
     def read_index(self, name: str, index: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         """`name[index]` alone (one expert of a fused tensor), as a private copy."""
         from safetensors import SafetensorError

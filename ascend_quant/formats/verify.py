@@ -246,6 +246,8 @@ def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
     n_layers = (ckpt.config or {}).get("num_hidden_layers")
     if not isinstance(n_layers, int):
         n_layers = max(by_layer) + 1 if by_layer else 0
+    # layers stored after the model's own (MTP) have keys of their own: not compared
+    by_layer = {i: keys for i, keys in by_layer.items() if i < n_layers}
     union = set().union(*by_layer.values()) if by_layer else set()
     kind = {i: ckpt.config is not None and spec.is_moe_layer(i, ckpt.config) for i in by_layer}
     unions = {k: set().union(*(by_layer[i] for i in by_layer if kind[i] == k)) for k in set(kind.values())}
