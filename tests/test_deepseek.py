@@ -310,3 +310,22 @@ def test_a_quantized_mtp_tensor_is_refused_before_calibrating(tmp_path):
     with pytest.raises(CalibrationError, match=rf"{name}: stored as F8_E4M3 .*dequantize"):
         _calibrate(src, tmp_path / "out", recipes.preset("w8a8-dynamic"), num_samples=4, seq_len=32)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_without_q_lora_rank_gets_the_spec_transformers_built(tmp_path):
+    """transformers reads a config.json without q_lora_rank as its default (set: the q-LoRA
+    layout); the output's config.json states the value, so the checkpoint tools pick the
+    spec calibration used rather than the q_proj one an absent key would suggest."""
+    from transformers import DeepseekV3Config
+    default = DeepseekV3Config().q_lora_rank
+    src = build_tiny(tmp_path / "src", _random_model(q_lora_rank=default), mtp=False)
+    config = json.loads((src / "config.json").read_text())
+    del config["q_lora_rank"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert default is not None and spec_for_config(config).variant == ("q_lora_rank", False)
+    out = tmp_path / "out"
+    _calibrate(src, out, recipes.Recipe(FLOAT.name, method="minmax"), num_samples=4, seq_len=32)
+    written = json.loads((out / "config.json").read_text())
+    assert written["q_lora_rank"] == default
+    assert spec_for_config(written).variant == ("q_lora_rank", True)
+    assert verify(out).ok

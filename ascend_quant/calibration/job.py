@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, spec_for_model
+from ascend_quant.arch.spec import config_get
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.runner import LayerReport, quantize_model
@@ -232,6 +233,9 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     config = config_with_quant_method(read_json(local / "config.json"), moe_hints(model, results))
     if spec.discovered:               # the checkpoint tools and vLLM read it back (spec_for_config)
         config[SAVED_SPEC_KEY] = spec.to_dict()
+    if spec.variant is not None:      # the key the spec was chosen by, where the source's config omits it
+        inner = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        inner.setdefault(spec.variant[0], config_get(model.config, spec.variant[0]))
     base_model, license_ = source_identity(model_id, local)
     meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
             "num_samples": n_samples, "seq_len": int(seq_len),
