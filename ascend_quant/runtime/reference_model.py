@@ -86,7 +86,8 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     tensors = {spec.from_disk(n): t for n, t in ckpt.tensors().items()}
     b = kernel_backend(backend)
     # layers stored after the model's own (MTP) have no module here: not loaded
-    modules = {spec.from_disk(p): m for p, m in ckpt.modules().items() if not spec.is_extra_layer(p, ckpt.config)}
+    modules = {spec.from_disk(p): m for p, m in ckpt.modules().items()
+               if not spec.is_extra_layer(p, ckpt.config)}
     float_state: dict[str, torch.Tensor] = {}
     norm_biases: dict[str, torch.Tensor] = {}
     kv_scales: dict[str, torch.Tensor] = {}
