@@ -67,7 +67,7 @@ GROUP_FIELDS = ("name", "linears", "producer", "producer_kind", "sole_consumer",
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "glm4"])
 def test_discovery_reproduces_the_explicit_spec(model_type):
     model = _model(model_type)
-    want = SPECS[model_type]
+    (want,) = SPECS[model_type]
     got = discover(model)
     assert got.discovered and got.layers_path == want.layers_path
     assert got.kv_projections == want.kv_projections
@@ -85,7 +85,7 @@ def test_wrong_norm_kind_would_be_caught_by_the_fold_check():
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     probe = _Probe(model, layer)
     base = probe.run()
-    group = SPECS["gemma3_text"].groups[0]
+    group = SPECS["gemma3_text"][0].groups[0]
     assert _fold_error(probe, state, group, base) <= TOLERANCE
     wrong = type(group)(group.name, group.linears, group.producer, "rmsnorm")
     assert _fold_error(probe, state, wrong, base) > 1e-3

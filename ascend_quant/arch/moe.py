@@ -26,16 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ascend_quant.arch.spec import LinearGroup
-
-
-def _config_get(config, key: str, default=None):
-    """`config.key` of a transformers config or a config.json dict (its text_config if nested)."""
-    if isinstance(config, dict):
-        inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-        return inner.get(key, default)
-    inner = getattr(config, "text_config", None) or config
-    return getattr(inner, key, default)
+from ascend_quant.arch.spec import LinearGroup, config_get
 
 
 @dataclass(frozen=True)
@@ -49,6 +40,9 @@ class MoESpec:
     experts: str = "experts"                  # relative to the block
     router: str = "gate"                      # relative to the block; FLOAT, `.weight` [E, H]
     float_modules: tuple[str, ...] = ()       # other modules kept FLOAT (shared-expert gate)
+    # the router's tensors besides its weight, FLOAT and required (DeepSeek-V3's persistent
+    # buffer `e_score_correction_bias`, a float32 parameter in vLLM)
+    router_tensors: tuple[str, ...] = ()
     shared_groups: tuple[LinearGroup, ...] = ()   # shared experts: ordinary Linears
     replaces: tuple[str, ...] = ("gate_up", "down")   # the dense groups a MoE layer has not
     # which layers are MoE: all, but those listed under `dense_layers_key`, those before
@@ -60,16 +54,16 @@ class MoESpec:
 
     # ------------------------------------------------------------------ layers
     def num_experts(self, config) -> int:
-        return int(next((v for k in self.num_experts_keys if (v := _config_get(config, k))), 0) or 0)
+        return int(next((v for k in self.num_experts_keys if (v := config_get(config, k))), 0) or 0)
 
     def is_moe_layer(self, index: int, config) -> bool:
         if self.num_experts(config) <= 0:
             return False
-        if self.dense_layers_key and index in (_config_get(config, self.dense_layers_key) or ()):
+        if self.dense_layers_key and index in (config_get(config, self.dense_layers_key) or ()):
             return False
-        if self.first_dense_key and index < int(_config_get(config, self.first_dense_key) or 0):
+        if self.first_dense_key and index < int(config_get(config, self.first_dense_key) or 0):
             return False
-        step = int(_config_get(config, self.sparse_step_key) or 1) if self.sparse_step_key else 1
+        step = int(config_get(config, self.sparse_step_key) or 1) if self.sparse_step_key else 1
         return (index + 1) % step == 0
 
     # ------------------------------------------------------------------ names

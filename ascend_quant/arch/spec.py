@@ -26,6 +26,14 @@ reads only the up half of gate_up_proj, so its fold divides rows `chunk 1 of 2` 
 un-normed sum), which both makes the fold an equivalence and lets calibration transform the
 input in place.
 
+A model type may have several specs told apart by its config (`ArchSpec.variant`: DeepSeek
+with and without a low-rank query, `q_lora_rank`); `arch.spec_for_model` / `spec_for_config`
+pick the one whose variant the config satisfies.
+
+Decoder layers stored after the model's own (`index >= num_hidden_layers`: DeepSeek-V3's
+multi-token-prediction layers) are not built by transformers; `is_extra_layer` names their
+tensors, which calibration copies FLOAT and the checkpoint tools accept.
+
 A Mixture-of-Experts layer (`ArchSpec.moe`, arch/moe.py) replaces the dense MLP groups by
 one gate/up and one down group per routed expert (templated on `{e}`), plus any shared
 expert's groups; the router and shared-expert gate stay FLOAT. Which layers are MoE is read
@@ -44,6 +52,15 @@ PRODUCER_KINDS = ("rmsnorm", "rmsnorm_offset", "layernorm", "linear_rows")
 # decoder layers are `<...>.layers.<i>.` in every family's checkpoint names (HF and vLLM alike)
 LAYER_PATTERN = r"\.layers\.\d+\."
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def config_get(config, key: str, default=None):
+    """`config.key` of a transformers config or a config.json dict (its text_config if nested)."""
+    if isinstance(config, dict):
+        inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        return inner.get(key, default)
+    inner = getattr(config, "text_config", None) or config
+    return getattr(inner, key, default)
 
 
 class UnsupportedModelError(Exception):
@@ -113,6 +130,23 @@ class ArchSpec:
     # why vllm-ascend 0.23 cannot load this family's checkpoints as written (verify notes it;
     # our runtime serves them), or None
     vllm_ascend_gap: str | None = None
+    # (config key, whether it is set): of a model type's several specs, this one is for the
+    # configs where `key` is set (not null), or unset; None: the model type's only spec
+    variant: tuple[str, bool] | None = None
+
+    def fits(self, config) -> bool:
+        """Whether this spec is the one for `config` (object or dict) among its model type's."""
+        if self.variant is None:
+            return True
+        key, is_set = self.variant
+        return (config_get(config, key) is not None) == is_set
+
+    def is_extra_layer(self, name: str, config) -> bool:
+        """A tensor (or module) of a decoder layer stored after the model's `num_hidden_layers`
+        (DeepSeek-V3's MTP layers): transformers builds none, calibration copies them FLOAT."""
+        n = config_get(config, "num_hidden_layers")
+        i = self.layer_index(name) if name.startswith(self.layers_path + ".") else None
+        return isinstance(n, int) and i is not None and i >= n
 
     def to_dict(self) -> dict:
         """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back.

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, spec_for_model
+from ascend_quant.arch.spec import config_get
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.runner import LayerReport, quantize_model
@@ -37,7 +38,7 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
         prefix = name.rpartition(".")[0]
         if prefix in results or (tied and name == "lm_head.weight"):
             continue
-        dtype = _float_dtype(model_dtype)
+        dtype = float_dtype_of(model, name, model_dtype)
         disk = spec.to_disk(name)        # the router and persistent buffers too (e_score_correction_bias)
         tensors[disk] = torch.empty(param.shape, dtype=dtype, device="meta") if param.is_meta else param.detach().to(dtype)
         types[disk] = FLOAT.name
@@ -50,6 +51,30 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
 
 def _float_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if model_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+def float_dtype_of(model, name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a FLOAT tensor is written in: the model's, but float32 for the tensors
+    transformers keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`:
+    DeepSeek-V3's e_score_correction_bias, which vLLM loads into a float32 parameter)."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    return torch.float32 if any(m in name for m in keep) else _float_dtype(model_dtype)
+
+
+def extra_layer_tensors(model, files, model_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Placeholders (meta tensors) for the source's tensors of decoder layers stored after the
+    model's own (DeepSeek-V3's MTP layers, `ArchSpec.is_extra_layer`): transformers builds no
+    module for them, so they are copied as they are, FLOAT (`files`: the source's WeightFiles).
+    A quantized one (DeepSeek-V3's own FP8 files) is refused: dequantize the source first."""
+    spec = spec_for_model(model)
+    names = [n for n in files.where if spec.is_extra_layer(n, model.config)]
+    headers = files.headers(names)
+    odd = next((n for n, (_, dtype) in headers.items() if dtype not in ("F32", "F16", "BF16")), None)
+    if odd is not None:
+        raise CalibrationError(f"{odd}: stored as {headers[odd][1]} in a layer after the model's own (MTP), "
+                               "copied FLOAT; dequantize the source checkpoint first")
+    return {n: torch.empty(shape, dtype=float_dtype_of(model, n, model_dtype), device="meta")
+            for n, (shape, _) in headers.items()}
 
 
 def config_with_quant_method(config: dict, hints: dict[str, str] | None = None) -> dict:
@@ -174,6 +199,9 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     loaded = load_model(model_id, device)
     tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
     spec = spec_for_model(model)      # fail early on an unsupported architecture
+    # layers stored after the model's own (MTP): copied as they are (refused now if quantized)
+    source_files = loaded.stream.files if loaded.stream is not None else _weight_files(local)
+    extra = extra_layer_tensors(model, source_files, source_dtype) if source_files else {}
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
     per_sample = recipe.activations.observer == "running" or (
@@ -200,9 +228,14 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         if bar is not None:
             bar.close()
     tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
+    tensors.update(extra)
+    types.update({n: FLOAT.name for n in extra})
     config = config_with_quant_method(read_json(local / "config.json"), moe_hints(model, results))
     if spec.discovered:               # the checkpoint tools and vLLM read it back (spec_for_config)
         config[SAVED_SPEC_KEY] = spec.to_dict()
+    if spec.variant is not None:      # the key the spec was chosen by, where the source's config omits it
+        inner = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        inner.setdefault(spec.variant[0], config_get(model.config, spec.variant[0]))
     base_model, license_ = source_identity(model_id, local)
     meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
             "num_samples": n_samples, "seq_len": int(seq_len),
@@ -217,13 +250,25 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     files.update(extra_files or {})
     group_size = group_size_for(recipe, results)
     loader = None
-    if loaded.stream is not None:
-        def loader(name: str) -> torch.Tensor:          # a checkpoint name: read by its model name
-            model_name = loaded.stream.spec.from_disk(name)
-            return loaded.stream.read([model_name], _float_dtype(source_dtype))[model_name]
+    if loaded.stream is not None or extra:
+        def loader(name: str) -> torch.Tensor:          # a placeholder's values, in its dtype
+            dtype = tensors[name].dtype
+            model_name = loaded.stream.spec.from_disk(name) if loaded.stream is not None else None
+            if model_name in getattr(loaded.stream, "sources", {}):       # by its model name
+                return loaded.stream.read([model_name], dtype)[model_name]
+            return source_files.read([name], dtype)[name]                  # an extra layer's, as stored
     write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                      metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
     return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports, spec)
+
+
+def _weight_files(folder: Path):
+    """The source's safetensors index, or None (no safetensors: nothing beyond the model is read)."""
+    from ascend_quant.calibration.streaming import StreamingUnavailable, WeightFiles
+    try:
+        return WeightFiles(folder)
+    except StreamingUnavailable:
+        return None
 
 
 def _dataset_name(dataset: str | None) -> str:

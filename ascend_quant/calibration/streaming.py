@@ -83,6 +83,19 @@ class WeightFiles:
         with _open(self.where[name]) as f:
             return tuple(f.get_slice(name).get_shape())
 
+    def headers(self, names: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The stored shape and safetensors dtype (`"BF16"`, `"F8_E4M3"`) of `names`, one open per file."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            by_file[self.where[name]].append(name)
+        out = {}
+        for path, file_names in by_file.items():
+            with _open(path) as f:
+                for n in file_names:
+                    part = f.get_slice(n)
+                    out[n] = tuple(part.get_shape()), part.get_dtype()
+        return out
+
     def read_index(self, name: str, index: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         """`name[index]` alone (one expert of a fused tensor), as a private copy."""
         from safetensors import SafetensorError
@@ -103,7 +116,7 @@ class StreamedModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ascend_quant.arch import SPECS, replace_experts, spec_for_model
+        from ascend_quant.arch import explicit_spec, replace_experts, spec_for_model
         from ascend_quant.arch.discovery import find_layers
 
         self.folder, self.device = Path(folder), device
@@ -113,7 +126,7 @@ class StreamedModel:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.eval()
         self.model = model
-        explicit = getattr(config, "model_type", None) in SPECS
+        explicit = explicit_spec(config) is not None
         # without an explicit spec the layers are found by structure now, the rest is probed
         # below on the embeddings and layer 0 (discovery needs their weights)
         self.spec = spec_for_model(model) if explicit else None

@@ -83,7 +83,8 @@ def summarize(ckpt: Checkpoint, float_dtype: torch.dtype | None = None) -> dict:
 
 def moe_layers(ckpt: Checkpoint) -> list[dict]:
     """Per MoE layer found in the checkpoint: its index, how many experts it holds, their
-    scheme(s) and whether the router is stored FLOAT (by the family's spec; [] for dense)."""
+    scheme(s), whether the router is stored FLOAT and whether the layer is one stored after the
+    model's own (MTP) (by the family's spec; [] for dense)."""
     spec = spec_for_config(ckpt.config)
     if spec.moe is None:
         return []
@@ -110,7 +111,8 @@ def moe_layers(ckpt: Checkpoint) -> list[dict]:
         schemes = sorted(entry["schemes"])
         router = ckpt.description.get(entry["router"] + ".weight")
         out.append({"layer": i, "experts": len(entry["experts"]), "scheme": schemes[0] if len(schemes) == 1 else schemes,
-                    "router_float": router == FLOAT.name})
+                    "router_float": router == FLOAT.name,
+                    "mtp": spec.is_extra_layer(entry["router"], ckpt.config or {})})
     return out
 
 
@@ -153,7 +155,8 @@ def format_summary(summary: dict) -> str:
     for m in summary.get("moe_layers", []):
         scheme = m["scheme"] if isinstance(m["scheme"], str) else "mixed " + "/".join(m["scheme"])
         router = "router FLOAT" if m["router_float"] else "router NOT FLOAT"
-        lines.append(f"MoE layer {m['layer']}: {m['experts']} experts {scheme}, {router}")
+        mtp = " (MTP, after the model's layers)" if m.get("mtp") else ""
+        lines.append(f"MoE layer {m['layer']}{mtp}: {m['experts']} experts {scheme}, {router}")
     ql, qf = t["quantized_linear_bytes"], t["quantized_linear_float_bytes"]
     if qf:
         lines.append(f"quantized Linears: {t['quantized_linears']}, {ql:,} bytes vs {qf:,} in "

@@ -246,6 +246,8 @@ def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
     n_layers = (ckpt.config or {}).get("num_hidden_layers")
     if not isinstance(n_layers, int):
         n_layers = max(by_layer) + 1 if by_layer else 0
+    # layers stored after the model's own (MTP) have keys of their own: not compared
+    by_layer = {i: keys for i, keys in by_layer.items() if i < n_layers}
     union = set().union(*by_layer.values()) if by_layer else set()
     kind = {i: ckpt.config is not None and spec.is_moe_layer(i, ckpt.config) for i in by_layer}
     unions = {k: set().union(*(by_layer[i] for i in by_layer if kind[i] == k)) for k in set(kind.values())}
@@ -264,8 +266,8 @@ def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
 def _check_moe(ckpt: Checkpoint, report: Report) -> None:
     """MoE layers (by config.json): every routed expert has every Linear and the same tensors
     as the others, one scheme for all of a layer's experts, one vllm-ascend 0.23 serves
-    (notes for ours-only schemes and unmapped families), the router and shared-expert gate
-    present as FLOAT."""
+    (notes for ours-only schemes and unmapped families), the router (with its other tensors,
+    DeepSeek-V3's e_score_correction_bias) and shared-expert gate present as FLOAT."""
     spec = spec_for_config(ckpt.config)
     moe = spec.moe
     if moe is None or ckpt.config is None:
@@ -301,8 +303,8 @@ def _check_moe(ckpt: Checkpoint, report: Report) -> None:
         elif distinct:
             layer_schemes.add(distinct[0])
             _check_expert_scheme(ckpt, i, distinct[0], name(moe.expert_linear(0, 0)), report)
-        for rel in (moe.router_path, *moe.float_modules):
-            key = f"{name(rel)}.weight"
+        keys = [f"{name(rel)}.weight" for rel in (moe.router_path, *moe.float_modules)]
+        for key in keys + [f"{name(moe.router_path)}.{t}" for t in moe.router_tensors]:
             if key not in desc:
                 report.problems.append(f"{dname}: MoE layer {i} has no {key!r} (kept FLOAT; vLLM needs the key)")
             elif desc[key] != FLOAT.name:

@@ -8,7 +8,8 @@ with `kv_cache=True` the C8 scales fake-quantize post-RoPE keys and values per c
 The evaluation's quantized perplexity and the vLLM tests compare against this model.
 MoE layers run per-expert Linears (arch/moe.py: each expert through its scheme, the router
 FLOAT, the eager routing); checkpoint names are mapped to module names by the spec
-(Mixtral's `block_sparse_moe` is `mlp` in memory).
+(Mixtral's `block_sparse_moe` is `mlp` in memory). Layers stored after the model's own
+(DeepSeek-V3's MTP layers) are not part of the forward and are left out.
 
 Speed: weight-only schemes (W8A16, W4A16) precompute the dequantized weight once and run a
 float matmul; int8 x int8 products use `torch._int_mm` (exact int32 accumulation) with the
@@ -84,7 +85,9 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     replace_experts(model, spec)
     tensors = {spec.from_disk(n): t for n, t in ckpt.tensors().items()}
     b = kernel_backend(backend)
-    modules = {spec.from_disk(p): m for p, m in ckpt.modules().items()}
+    # layers stored after the model's own (MTP) have no module here: not loaded
+    modules = {spec.from_disk(p): m for p, m in ckpt.modules().items()
+               if not spec.is_extra_layer(p, ckpt.config)}
     float_state: dict[str, torch.Tensor] = {}
     norm_biases: dict[str, torch.Tensor] = {}
     kv_scales: dict[str, torch.Tensor] = {}
