@@ -94,6 +94,19 @@ class GatedMLP:
 
 
 @dataclass(frozen=True)
+class ResidualRotation:
+    """Where an orthogonal Q on the residual stream folds offline (R1; calibration/rotation.py),
+    for a family where that is an equivalence: every norm on the residual is x̂ · w (its gain
+    folds into the Linears it feeds, the groups with an `rmsnorm` producer), no norm sits on
+    a Linear's output before the residual add, and nothing else reads the residual. Paths
+    relative to the decoder layer unless said otherwise."""
+    final_norm: str = "model.norm"                  # model path: the norm lm_head reads
+    writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")   # outputs added to the residual
+    value: str = "self_attn.v_proj"                 # R2: per KV head output rows ...
+    output: str = "self_attn.o_proj"                # ... and the per-head input columns that read them
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     name: str
     model_types: tuple[str, ...]
@@ -113,6 +126,10 @@ class ArchSpec:
     # why vllm-ascend 0.23 cannot load this family's checkpoints as written (verify notes it;
     # our runtime serves them), or None
     vllm_ascend_gap: str | None = None
+    # offline rotation map (R1/R2), or None: not an equivalence here, or not declared
+    rotation: ResidualRotation | None = None
+    # norms on a Linear's output before the residual add (Gemma, GLM-4): they rule R1 out
+    post_norms: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back.
@@ -128,8 +145,10 @@ class ArchSpec:
             mlp = GatedMLP(**d["mlp"]) if d.get("mlp") else None
             if d.get("moe"):
                 raise ValueError("a saved spec has no MoE layers")
-            rest = {k: tup(v) for k, v in d.items() if k not in ("groups", "mlp", "moe")}
-            return cls(groups=groups, mlp=mlp, **rest)
+            rotation = ResidualRotation(**{k: tup(v) for k, v in d["rotation"].items()}) \
+                if d.get("rotation") else None
+            rest = {k: tup(v) for k, v in d.items() if k not in ("groups", "mlp", "moe", "rotation")}
+            return cls(groups=groups, mlp=mlp, rotation=rotation, **rest)
         except (KeyError, TypeError, ValueError) as e:
             raise UnsupportedModelError(f"saved architecture spec is not readable: {e}") from None
 
