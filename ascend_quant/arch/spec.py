@@ -26,6 +26,11 @@ reads only the up half of gate_up_proj, so its fold divides rows `chunk 1 of 2` 
 un-normed sum), which both makes the fold an equivalence and lets calibration transform the
 input in place.
 
+`rotation` (a `ResidualRotation`) says where an offline rotation of the residual stream
+(R1) and the per-head v/o rotation (R2) fold (calibration/rotation.py); None where that is
+no equivalence. `post_norms` names norms on a Linear's output before the residual add
+(Gemma, GLM-4), which rule R1 out.
+
 A Mixture-of-Experts layer (`ArchSpec.moe`, arch/moe.py) replaces the dense MLP groups by
 one gate/up and one down group per routed expert (templated on `{e}`), plus any shared
 expert's groups; the router and shared-expert gate stay FLOAT. Which layers are MoE is read

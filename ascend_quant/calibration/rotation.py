@@ -76,7 +76,7 @@ def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard",
     gen = torch.Generator().manual_seed(seed)
     d = emb.weight.shape[1]
     try:
-        q = numerics.orthogonal_rotation(d, kind, gen)
+        q = numerics.orthogonal_rotation(d, kind, gen)       # the first draw: `residual_rotation` repeats it
     except ValueError as e:
         raise CalibrationError(f"rotation of hidden size {d}: {e}") from None
     tied = head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr()
@@ -129,6 +129,14 @@ def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard",
     return {"kind": kind, "seed": seed, "hidden_size": d, "r2": bool(r2),
             **({"head_dim": head_dim, "kv_heads": kv_heads} if r2 else {}),
             "untied_embeddings": bool(tied)}
+
+
+def residual_rotation(record: dict) -> torch.Tensor:
+    """The R1 matrix Q [d, d] (float64) that `rotate_model` used, drawn again from its record
+    (`rotation` in ascend_quant_calibration.json): the first draw of a generator seeded with
+    the record's seed. The rotated model's residual stream is the float one times Q."""
+    return numerics.orthogonal_rotation(record["hidden_size"], record["kind"],
+                                        torch.Generator().manual_seed(record["seed"]))
 
 
 def untie_config(config) -> None:
