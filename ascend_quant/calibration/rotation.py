@@ -60,8 +60,13 @@ def rotation_map(spec: ArchSpec) -> ResidualRotation:
     return spec.rotation
 
 
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    """The arithmetic runs on the CPU in float64, whatever device the model is on."""
+    return t.detach().to("cpu", torch.float64)
+
+
 def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    param.data.copy_(value.to(param.dtype))
+    param.data.copy_(value.to(param.device, param.dtype))
 
 
 @torch.no_grad()
@@ -83,7 +88,7 @@ def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard",
     if tied:
         head.weight = torch.nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
     untie_config(model.config)
-    _set(emb.weight, numerics.rotate_input(emb.weight, q))
+    _set(emb.weight, numerics.rotate_input(_cpu(emb.weight), q))
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -97,16 +102,16 @@ def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard",
             norm = layer.get_submodule(norm_name)
             if getattr(norm, "bias", None) is not None:
                 raise CalibrationError(f"{spec.name}: no offline rotation: layer {i} {norm_name} has a bias")
-            gain = norm.weight.detach().double()
+            gain = _cpu(norm.weight)
             for name in linears:
                 lin = layer.get_submodule(name)
-                _set(lin.weight, numerics.rotate_input(numerics.fold_norm_gain(lin.weight.double(), gain), q))
+                _set(lin.weight, numerics.rotate_input(numerics.fold_norm_gain(_cpu(lin.weight), gain), q))
             norm.weight.fill_(1.0)
         for name in rmap.writers:
             lin = layer.get_submodule(name)
-            _set(lin.weight, numerics.rotate_output(lin.weight, q))
+            _set(lin.weight, numerics.rotate_output(_cpu(lin.weight), q))
             if lin.bias is not None:
-                _set(lin.bias, numerics.rotate_output(lin.bias, q))
+                _set(lin.bias, numerics.rotate_output(_cpu(lin.bias), q))
         if r2:
             v, o = layer.get_submodule(rmap.value), layer.get_submodule(rmap.output)
             head_dim = v.weight.shape[0] // kv_heads
@@ -119,12 +124,12 @@ def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard",
                 rs = torch.stack([numerics.orthogonal_rotation(head_dim, kind, gen) for _ in range(kv_heads)])
             except ValueError as e:
                 raise CalibrationError(f"R2 rotation of head_dim {head_dim}: {e}") from None
-            _set(v.weight, numerics.rotate_head_rows(v.weight, rs))
+            _set(v.weight, numerics.rotate_head_rows(_cpu(v.weight), rs))
             if v.bias is not None:
-                _set(v.bias, numerics.rotate_head_rows(v.bias, rs))
-            _set(o.weight, numerics.rotate_head_columns(o.weight, rs, heads // kv_heads))
+                _set(v.bias, numerics.rotate_head_rows(_cpu(v.bias), rs))
+            _set(o.weight, numerics.rotate_head_columns(_cpu(o.weight), rs, heads // kv_heads))
     final = model.get_submodule(rmap.final_norm)
-    _set(head.weight, numerics.rotate_input(numerics.fold_norm_gain(head.weight.double(), final.weight.double()), q))
+    _set(head.weight, numerics.rotate_input(numerics.fold_norm_gain(_cpu(head.weight), _cpu(final.weight)), q))
     final.weight.fill_(1.0)
     return {"kind": kind, "seed": seed, "hidden_size": d, "r2": bool(r2),
             **({"head_dim": head_dim, "kv_heads": kv_heads} if r2 else {}),
