@@ -248,6 +248,8 @@ def test_rotated_calibration_verifies_and_runs(scheme, tmp_path, saved, calib_js
     assert calib["rotation"]["kind"] == "hadamard" and calib["rotation"]["r2"] is True
     assert calib["rotation"]["untied_embeddings"] is True
     assert "rotation:" in (out / "ascend_quant_recipe.yaml").read_text()
+    assert "R1 hadamard on the residual stream (hidden 96), R2 per KV head (head_dim 32)" in \
+        (out / "README.md").read_text()
     with torch.no_grad():
         got = load_reference_model(out)(IDS).logits
     # measured: w8a8-dynamic 0.027, w4a16 0.31 (unrotated 0.029 / 0.25: random Gaussian weights
