@@ -23,6 +23,7 @@ Conventions
 | quant_bias          | int32 [n]               | `round(bias / deq_scale - offset * sum_k w_q)`  |
 | scale_bias (W4A8)   | float32 [n, chunks]     | `8 * sum_k(w4 * scale)` per chunk of k          |
 | smoothed norm gain  | as the norm [k]         | `w / s`; (1+w) norm (Gemma): `(1 + w) / s - 1`  |
+| rotated Linear (R1) | as the weight           | reader `(w · gain) Q`, writer `Qᵀ w` (bias `Qᵀ b`) |
 """
 
 from __future__ import annotations
@@ -218,6 +219,116 @@ def smoothed_norm_gain(w: torch.Tensor, s: torch.Tensor, offset: bool = False) -
     wf, sf = w.float(), s.float()
     return ((1.0 + wf) / sf - 1.0 if offset else wf / sf).to(w.dtype)
 
+
+
+# ------------------------------------------------------------------- offline rotations
+
+def _is_prime(q: int) -> bool:
+    return q >= 2 and all(q % d for d in range(2, int(q ** 0.5) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """Q[a, b] = chi(b - a) for a prime q, chi the quadratic character mod q (chi(0) = 0)."""
+    squares = {(x * x) % q for x in range(1, q)}
+    chi = torch.tensor([0] + [1 if r in squares else -1 for r in range(1, q)], dtype=torch.float64)
+    idx = torch.arange(q)
+    return chi[(idx[None, :] - idx[:, None]) % q]
+
+
+def _paley(c: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order c from Paley's constructions over a prime field, or None.
+    I: q = c - 1 prime, q = 3 mod 4: H = I + [[0, 1ᵀ], [-1, Q]]. II: q = c / 2 - 1 prime,
+    q = 1 mod 4: the conference matrix C = [[0, 1ᵀ], [1, Q]] with every 0 replaced by
+    [[1, -1], [-1, -1]] and every ±1 by ±[[1, 1], [1, -1]]."""
+    if c == 1:
+        return torch.ones(1, 1, dtype=torch.float64)
+    q = c - 1
+    if _is_prime(q) and q % 4 == 3:
+        s = torch.zeros(c, c, dtype=torch.float64)
+        s[0, 1:], s[1:, 0], s[1:, 1:] = 1.0, -1.0, _jacobsthal(q)
+        return torch.eye(c, dtype=torch.float64) + s
+    q = c // 2 - 1
+    if c % 2 == 0 and _is_prime(q) and q % 4 == 1:
+        conf = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+        conf[0, 1:], conf[1:, 0], conf[1:, 1:] = 1.0, 1.0, _jacobsthal(q)
+        a = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        b = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+        return torch.kron(conf, a) + torch.kron(torch.eye(q + 1, dtype=torch.float64), b)
+    return None
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order n (entries ±1, H Hᵀ = n I) as float64, or None where this
+    construction has none: n = 2^a · c, H = H2^(⊗(a-b)) ⊗ P_c for the first b with a Paley
+    matrix P_c of order c = (n / 2^a) · 2^b (Sylvester doubling of a Paley core). Covers every
+    power of two and e.g. 576 = 16 · 36 (Paley II, q = 17), 640 = 32 · 20, 896 = 32 · 28,
+    1536 = 128 · 12."""
+    if n < 1:
+        return None
+    a, odd = 0, n
+    while odd % 2 == 0:
+        a, odd = a + 1, odd // 2
+    for b in range(a + 1):
+        core = _paley(odd << b)
+        if core is not None:
+            h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+            for _ in range(a - b):
+                core = torch.kron(h2, core)
+            return core
+    return None
+
+
+def orthogonal_rotation(n: int, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """An n x n orthogonal matrix, float64. `hadamard`: a randomized Hadamard D·H / sqrt(n)
+    (D a random ±1 diagonal), ValueError for an n `hadamard` cannot build; `random`: the Q of
+    a QR of a Gaussian matrix, signs fixed by R's diagonal (Haar-distributed)."""
+    if kind == "hadamard":
+        h = hadamard(n)
+        if h is None:
+            raise ValueError(f"no Hadamard matrix of order {n} here (2^a times a Paley order); "
+                             "use rotation kind random")
+        signs = torch.randint(0, 2, (n,), generator=generator).to(torch.float64) * 2 - 1
+        return signs[:, None] * h / n ** 0.5
+    if kind == "random":
+        g = torch.randn(n, n, generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(g)
+        return q * torch.sign(torch.diagonal(r))[None, :]
+    raise ValueError(f"unknown rotation kind {kind!r} (hadamard or random)")
+
+
+def fold_norm_gain(w: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """A Linear w [n, k] reading `x̂ · gain` rewritten to read x̂: w · gain per column."""
+    return w * gain[None, :].to(w.dtype)
+
+
+def rotate_input(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A Linear w [n, k] whose input x becomes x·Q (Q [k, k] orthogonal): w' = w·Q, so that
+    (x·Q)·w'ᵀ = x·wᵀ. Float64 arithmetic, w's dtype back."""
+    return (w.double() @ q.double()).to(w.dtype)
+
+
+def rotate_output(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A Linear w [n, k] (or a bias [n]) whose output y must become y·Q: w' = Qᵀ·w."""
+    return (q.double().t() @ w.double()).to(w.dtype) if w.dim() == 2 else \
+        (w.double() @ q.double()).to(w.dtype)
+
+
+def rotate_head_rows(w: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
+    """v_proj's w [h·d, k] (or bias [h·d]) with head j's output rotated by rs[j] [d, d]:
+    rows of head j become rs[j]ᵀ · w_j."""
+    h, d, _ = rs.shape
+    blocks = w.double().reshape(h, d, -1)
+    return torch.einsum("hed,hek->hdk", rs.double(), blocks).reshape(w.shape).to(w.dtype)
+
+
+def rotate_head_columns(w: torch.Tensor, rs: torch.Tensor, group: int) -> torch.Tensor:
+    """o_proj's w [n, heads·d] reading heads rotated by their KV head's matrix (head i by
+    rs[i // group], `group` query heads per KV head, GQA): columns of head i become w_i · rs[i // group]."""
+    n = w.shape[0]
+    r = rs.double().repeat_interleave(group, dim=0)              # [heads, d, d]
+    heads, d, _ = r.shape
+    blocks = w.double().reshape(n, heads, d)
+    return torch.einsum("nhd,hde->nhe", blocks, r).reshape(w.shape).to(w.dtype)
 
 # -------------------------------------------------------------- W8A8 static tensors
 

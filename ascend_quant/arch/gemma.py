@@ -30,6 +30,7 @@ SPEC = ArchSpec(
     ),
     mlp=GatedMLP("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", activation="gelu_pytorch_tanh"),
     notes=("post_attention_layernorm / post_feedforward_layernorm: on o_proj's / down_proj's output, no fold",),
+    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
 )
 
 # Gemma3ForConditionalGeneration (`gemma3`): the same decoder under the multimodal wrapper;

@@ -42,6 +42,7 @@ SPEC = ArchSpec(
         LinearGroup("down", ("mlp.down_proj",), "mlp.gate_up_proj", "linear_rows", row_parallel=True,
                     producer_chunk=(1, 2)),
     ),
+    post_norms=("post_self_attn_layernorm", "post_mlp_layernorm"),
     vllm_ascend_gap=("glm4: vllm-ascend 0.23 does not load this checkpoint: for mlp.gate_up_proj (fused "
                      "on disk, as in HF's GLM-4) it looks up mlp.gate_proj.weight / mlp.up_proj.weight in "
                      "the description (vLLM's Glm4 packed mapping) and raises KeyError; ascend-quant's "

@@ -3,9 +3,12 @@ attention, after the projections, and change nothing here).
 
     x -> input_layernorm -> q/k/v_proj -> attention -> o_proj -> + residual
       -> post_attention_layernorm -> gate/up_proj -> silu(gate) * up -> down_proj -> + residual
+
+Offline rotations (R1/R2) fold here (`rotation`): both norms are x̂ · w pre-norms, the
+residual is read only through them, and o_proj / down_proj write it.
 """
 
-from ascend_quant.arch.spec import ArchSpec, GatedMLP, LinearGroup
+from ascend_quant.arch.spec import ArchSpec, GatedMLP, LinearGroup, ResidualRotation
 
 SPEC = ArchSpec(
     name="llama",
@@ -19,4 +22,6 @@ SPEC = ArchSpec(
         LinearGroup("down", ("mlp.down_proj",), "mlp.up_proj", "linear_rows", row_parallel=True),
     ),
     mlp=GatedMLP("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    # pre-norms only, x̂ · w: the residual stream takes an offline rotation (R1, R2)
+    rotation=ResidualRotation(),
 )

@@ -13,4 +13,5 @@ from ascend_quant.arch.moe import MoESpec
 
 SPEC = replace(llama.SPEC, name="mixtral", model_types=("mixtral",),
                moe=MoESpec(("num_local_experts",), ("w1", "w3", "w2"), disk_block="block_sparse_moe",
-                           vllm_ascend_maps=False))
+                           vllm_ascend_maps=False),
+               rotation=None)     # no offline rotation for MoE (the router reads the residual)

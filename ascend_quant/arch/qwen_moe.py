@@ -21,11 +21,12 @@ from ascend_quant.arch.spec import LinearGroup
 _EXPERTS = ("num_experts", "num_local_experts")
 _QWEN_LAYERS = dict(dense_layers_key="mlp_only_layers", sparse_step_key="decoder_sparse_step")
 
+# no offline rotation: the router reads the residual too, and the map names dense Linears only
 SPEC_QWEN3 = replace(llama.SPEC, name="qwen3_moe", model_types=("qwen3_moe",),
-                     moe=MoESpec(_EXPERTS, **_QWEN_LAYERS))
+                     moe=MoESpec(_EXPERTS, **_QWEN_LAYERS), rotation=None)
 
 SPEC_QWEN2 = replace(
-    llama.SPEC, name="qwen2_moe", model_types=("qwen2_moe",),
+    llama.SPEC, name="qwen2_moe", model_types=("qwen2_moe",), rotation=None,
     moe=MoESpec(
         _EXPERTS, float_modules=("mlp.shared_expert_gate",), vllm_ascend_maps=False,
         shared_groups=(

@@ -34,6 +34,11 @@ Decoder layers stored after the model's own (`index >= num_hidden_layers`: DeepS
 multi-token-prediction layers) are not built by transformers; `is_extra_layer` names their
 tensors, which calibration copies FLOAT and the checkpoint tools accept.
 
+`rotation` (a `ResidualRotation`) says where an offline rotation of the residual stream
+(R1) and the per-head v/o rotation (R2) fold (calibration/rotation.py); None where that is
+no equivalence. `post_norms` names norms on a Linear's output before the residual add
+(Gemma, GLM-4), which rule R1 out.
+
 A Mixture-of-Experts layer (`ArchSpec.moe`, arch/moe.py) replaces the dense MLP groups by
 one gate/up and one down group per routed expert (templated on `{e}`), plus any shared
 expert's groups; the router and shared-expert gate stay FLOAT. Which layers are MoE is read
@@ -111,6 +116,19 @@ class GatedMLP:
 
 
 @dataclass(frozen=True)
+class ResidualRotation:
+    """Where an orthogonal Q on the residual stream folds offline (R1; calibration/rotation.py),
+    for a family where that is an equivalence: every norm on the residual is x̂ · w (its gain
+    folds into the Linears it feeds, the groups with an `rmsnorm` producer), no norm sits on
+    a Linear's output before the residual add, and nothing else reads the residual. Paths
+    relative to the decoder layer unless said otherwise."""
+    final_norm: str = "model.norm"                  # model path: the norm lm_head reads
+    writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")   # outputs added to the residual
+    value: str = "self_attn.v_proj"                 # R2: per KV head output rows ...
+    output: str = "self_attn.o_proj"                # ... and the per-head input columns that read them
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     name: str
     model_types: tuple[str, ...]
@@ -133,6 +151,10 @@ class ArchSpec:
     # (config key, whether it is set): of a model type's several specs, this one is for the
     # configs where `key` is set (not null), or unset; None: the model type's only spec
     variant: tuple[str, bool] | None = None
+    # offline rotation map (R1/R2), or None: not an equivalence here, or not declared
+    rotation: ResidualRotation | None = None
+    # norms on a Linear's output before the residual add (Gemma, GLM-4): they rule R1 out
+    post_norms: tuple[str, ...] = ()
 
     def fits(self, config) -> bool:
         """Whether this spec is the one for `config` (object or dict) among its model type's."""
@@ -162,8 +184,10 @@ class ArchSpec:
             mlp = GatedMLP(**d["mlp"]) if d.get("mlp") else None
             if d.get("moe"):
                 raise ValueError("a saved spec has no MoE layers")
-            rest = {k: tup(v) for k, v in d.items() if k not in ("groups", "mlp", "moe")}
-            return cls(groups=groups, mlp=mlp, **rest)
+            rotation = ResidualRotation(**{k: tup(v) for k, v in d["rotation"].items()}) \
+                if d.get("rotation") else None
+            rest = {k: tup(v) for k, v in d.items() if k not in ("groups", "mlp", "moe", "rotation")}
+            return cls(groups=groups, mlp=mlp, rotation=rotation, **rest)
         except (KeyError, TypeError, ValueError) as e:
             raise UnsupportedModelError(f"saved architecture spec is not readable: {e}") from None
 

@@ -17,6 +17,7 @@ from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, spec_for_model
 from ascend_quant.arch.spec import config_get
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.recipe import Recipe
+from ascend_quant.calibration.rotation import rotate_model, untie_config
 from ascend_quant.calibration.runner import LayerReport, quantize_model
 from ascend_quant.schemes import FLOAT, SCHEMES, QuantizedLinear, checkpoint_entries, kv_entries
 
@@ -196,12 +197,17 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         raise CalibrationError(f"{out} already exists (choose another -o or remove it)")
     start = time.perf_counter()
     torch.manual_seed(seed)
-    loaded = load_model(model_id, device)
+    rotation = recipe.rotation
+    # a rotation changes every layer and the embeddings at once: the whole float model, not streamed
+    loaded = load_model(model_id, device, stream=rotation is None)
     tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
     spec = spec_for_model(model)      # fail early on an unsupported architecture
     # layers stored after the model's own (MTP): copied as they are (refused now if quantized)
     source_files = loaded.stream.files if loaded.stream is not None else _weight_files(local)
     extra = extra_layer_tensors(model, source_files, source_dtype) if source_files else {}
+    rotated = None
+    if rotation is not None:
+        rotated = rotate_model(model, spec, rotation.kind, rotation.r2, rotation.seed)
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
     per_sample = recipe.activations.observer == "running" or (
@@ -236,6 +242,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     if spec.variant is not None:      # the key the spec was chosen by, where the source's config omits it
         inner = config["text_config"] if isinstance(config.get("text_config"), dict) else config
         inner.setdefault(spec.variant[0], config_get(model.config, spec.variant[0]))
+    if rotated is not None:           # lm_head has its own (rotated) weight now
+        untie_config(config)
     base_model, license_ = source_identity(model_id, local)
     meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
             "num_samples": n_samples, "seq_len": int(seq_len),
@@ -243,6 +251,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
              "ascend_quant_calibration.json": json.dumps(
                  {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
+                  **({"rotation": rotated} if rotated is not None else {}),
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                               "errors": r.errors, "smoothquant_alphas": r.alphas,
                               **({"expert_tokens": r.expert_tokens, "expert_fallbacks": r.fallbacks}

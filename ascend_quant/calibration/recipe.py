@@ -11,6 +11,7 @@ overrides matched with shell-style patterns on the module name:
     gptq: {damp: 0.01, block_size: 128, act_order: true}
     kv_cache: {dtype: int8, method: mse}
     moe: {tokens: routed, min_tokens: 32}        # MoE experts (see MoE below)
+    rotation: {kind: hadamard, r2: true, seed: 0}  # offline R1/R2 first (calibration/rotation.py)
     ignore: ["lm_head"]           # module patterns left in float
     float_groups: [down]          # Linear groups left in float, by role (qkv, o, gate_up, down)
     overrides:
@@ -88,6 +89,15 @@ class MoE:
 
 
 @dataclass
+class Rotation:
+    # offline R1 (+ R2) before calibration (calibration/rotation.py): hadamard (randomized
+    # Hadamard; sizes 2^a times a Paley order) or random (Haar-random orthogonal, any size)
+    kind: str = "hadamard"
+    r2: bool = True                   # also the per-head rotation of v_proj rows / o_proj columns
+    seed: int = 0                     # the random signs (or matrices)
+
+
+@dataclass
 class Override:
     match: str
     scheme: str | None = None         # a CLI or description name; "float" keeps the Linear in float
@@ -104,6 +114,7 @@ class Recipe:
     gptq: GPTQ = field(default_factory=GPTQ)
     kv_cache: KVCache | None = None
     moe: MoE = field(default_factory=MoE)
+    rotation: Rotation | None = None
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     # Linear groups left in float, by the architecture spec's role names (qkv, o, gate_up,
     # down): the same Linears in every family, whatever their modules are called
@@ -166,6 +177,8 @@ def _apply(recipe: Recipe, data: dict, where: str) -> None:
             recipe.gptq = _build(GPTQ, value, at)
         elif key == "kv_cache":
             recipe.kv_cache = _build(KVCache, value, at)
+        elif key == "rotation":
+            recipe.rotation = _build(Rotation, value, at)
         elif key == "moe":
             recipe.moe = _build(MoE, value, at) or MoE()
         elif key == "overrides":
@@ -236,6 +249,11 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
     if recipe.moe.tokens not in ("routed", "all") or not isinstance(recipe.moe.min_tokens, int) \
             or recipe.moe.min_tokens < 0:
         raise RecipeError(f"{where}: moe.tokens must be routed or all, moe.min_tokens a count >= 0")
+    rot = recipe.rotation
+    if rot and (rot.kind not in ("hadamard", "random") or not isinstance(rot.r2, bool)
+                or not isinstance(rot.seed, int) or isinstance(rot.seed, bool)):
+        raise RecipeError(f"{where}: rotation.kind must be hadamard or random, rotation.r2 true or false, "
+                          "rotation.seed an integer")
     groups = {g.name for spec in FAMILIES
               for g in spec.groups + ((spec.moe.groups + spec.moe.shared_groups) if spec.moe else ())}
     if set(recipe.float_groups) - groups:

@@ -66,6 +66,18 @@ def _layer_outputs(model, windows: torch.Tensor, spec) -> list[torch.Tensor]:
     return outs
 
 
+def _rotation_of(quantized: str) -> torch.Tensor | None:
+    """The R1 rotation a checkpoint was calibrated with (its calibration record), or None."""
+    from ascend_quant.calibration.rotation import residual_rotation
+    from ascend_quant.hub import CALIBRATION_NAME
+    path = Path(quantized) / CALIBRATION_NAME
+    try:
+        record = json.loads(path.read_text()).get("rotation") if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return residual_rotation(record) if isinstance(record, dict) else None
+
+
 def evaluate(float_model: str, quantized: str, dataset: str | None = None, tokens: int = 16384,
              seq_len: int = 512, with_vllm: bool = False) -> EvalResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -94,6 +106,9 @@ def evaluate(float_model: str, quantized: str, dataset: str | None = None, token
     # the checkpoint's spec (a discovered one is saved in its config.json) for both models
     spec = spec_for_config(qmodel.config.to_dict())
     ref, got = _layer_outputs(fmodel, probe, spec), _layer_outputs(qmodel, probe, spec)
+    q = _rotation_of(quantized)
+    if q is not None:       # a rotated checkpoint's residual stream is the float one times Q
+        ref = [(r.double() @ q).float() for r in ref]
     errors = [((g - r).norm() / r.norm().clamp(min=1e-12)).item() for r, g in zip(ref, got)]
     vppl = None
     if with_vllm:           # the same windows through vLLM with our `ascend` method, fp32 like the simulation
