@@ -124,14 +124,15 @@ def weight_qparams(scheme: str, w: torch.Tensor, gs: int, symmetric: bool, ratio
 
 
 def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized: dict[str, str],
-               recipe: Recipe) -> tuple[float | None, torch.Tensor | None]:
+               recipe: Recipe, group_size: int | None = None) -> tuple[float | None, torch.Tensor | None]:
     """(alpha, s [k]) of the AWQ scaling for a group with input tokens [t, k] and members'
     weights [n_i, k]: the best of the recipe's `awq.alphas` or no scaling (alpha and s None),
     scored on a token sample with the first quantized member's scheme (weights at min-max,
-    the clip search comes later; activations as the scheme quantizes them)."""
+    the clip search comes later; activations as the scheme quantizes them). `group_size`:
+    instead of the recipe's (per-channel experts)."""
     scheme = next(iter(quantized.values()))
     info = SCHEMES[scheme]
-    gs = info.group_size_for(recipe.group_size)
+    gs = info.group_size_for(recipe.group_size if group_size is None else group_size)
     symmetric = symmetric_weights(scheme, recipe)
 
     def quantize_weight(w):

@@ -166,8 +166,10 @@ class _GroupHook:
         self.smoothed = producer is not None and not self.fallback and not self.awq and \
             smooths(recipe, quantized.values(), isinstance(producer, torch.nn.Linear))
         s = None
+        expert = self.experts is not None
+        group_size = 0 if expert and _activations_quantized(quantized) else None      # per-channel experts
         if self.awq:
-            self.alpha, s = choose_awq(flat, weights, quantized, recipe)
+            self.alpha, s = choose_awq(flat, weights, quantized, recipe, group_size)
         elif self.smoothed:
             self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
         if s is not None:
@@ -191,11 +193,9 @@ class _GroupHook:
         del inputs
         # 4. the weights: GPTQ on the group's shared Hessian, or min-max
         biases = {name: m.bias for name, m in self.modules.items()}
-        expert = self.experts is not None
         linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
                                    group.row_parallel, recipe, self.prefix,
-                                   method="minmax" if self.fallback else None,
-                                   group_size=0 if expert and _activations_quantized(quantized) else None)
+                                   method="minmax" if self.fallback else None, group_size=group_size)
         for name, qlin in linears.items():
             module = self.modules[name]
             module.weight.data = qlin.dequantized().to(module.weight.dtype)
