@@ -57,7 +57,7 @@ def test_awq_scale_search_is_never_worse_than_no_scaling():
     x = _inputs(128)
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) * 0.05
     alphas = [0.0, 0.25, 0.5, 0.75, 1.0]
-    alpha, s = search_scales(x, x.abs().mean(0), [w], alphas, lambda t: t, _int4_sym)
+    alpha, s = search_scales(x, x.abs().mean(0), [w], alphas, lambda t: t, lambda t, _s: _int4_sym(t))
     none = _output_error(x, w, _int4_sym(w))
     chosen = _output_error(x, w, _int4_sym(w * s), s)
     assert chosen <= none
@@ -74,7 +74,7 @@ def test_awq_scale_search_keeps_no_scaling_when_it_is_best():
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(2))
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     alpha, s = search_scales(x, x.abs().mean(0), [w], [0.5, 1.0], lambda t: t,
-                             lambda t: torch.round(t * 8) / 8)
+                             lambda t, _s: torch.round(t * 8) / 8)
     if alpha is None:
         assert torch.equal(s, torch.ones(64))
     # whichever won, it is the best on the loss written out here
@@ -148,6 +148,7 @@ def test_asymmetric_int4_qparams_and_pack_round_trip():
     ("scheme: w4a16\nawq: {alphas: [1.5]}\n", "awq alphas"),
     ("scheme: w4a16\nawq: {clip_min: 0}\n", "clip_min"),
     ("scheme: w4a16\nawq: {grid: 3}\n", "unknown key"),
+    ("scheme: w4a16\nawq: {score: gptq}\n", "awq.score"),
 ])
 def test_awq_and_weights_recipe_errors(tmp_path, text, match):
     path = tmp_path / "r.yaml"
@@ -210,14 +211,14 @@ def test_awq_fold_keeps_float_logits(tmp_path, family):
 # --------------------------------------------------------------- the whole job
 
 def test_calibrate_awq_asymmetric_w4a16_verifies_and_serves(tmp_path):
-    """A tiny calibration with AWQ scaling, clip search, GPTQ and zero points: verify accepts the
-    checkpoint and notes where it is served, the zero points are stored, the report records the
-    searches, and the reference model (reference and CPU kernels) computes what the format
-    oracle computes from the dequantized weights."""
+    """A tiny calibration with AWQ scaling (scored with the final rounding), clip search, GPTQ and
+    zero points: verify accepts the checkpoint and notes where it is served, the zero points are
+    stored, the report records the searches, and the reference model (reference and CPU kernels)
+    computes what the format oracle computes from the dequantized weights."""
     out = tmp_path / "out"
     rec_path = tmp_path / "r.yaml"
-    rec_path.write_text("scheme: w4a16\ngroup_size: 32\nmethod: gptq\nawq: {alphas: [0.0, 0.5, 1.0]}\n"
-                        "weights: {symmetric: false}\n")
+    rec_path.write_text("scheme: w4a16\ngroup_size: 32\nmethod: gptq\n"
+                        "awq: {alphas: [0.0, 0.5, 1.0], score: final}\nweights: {symmetric: false}\n")
     rec = recipes.load_recipe(rec_path)
     tiny = fixture_dir("tiny-qwen2-fp32")
     job.calibrate(str(tiny), out, rec, str(FIXTURES / "calib.jsonl"), num_samples=8, seq_len=64,

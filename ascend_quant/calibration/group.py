@@ -3,10 +3,10 @@
 Pure functions on tensors, called in this order by the runner's hook (runner.py) once it
 holds the group's input: `choose_smoothing` (SmoothQuant factors, or none) or `choose_awq`
 (AWQ factors, or none; the runner folds either into the producer and the members),
-`observe_activations` (static W8A8: one range for
-the whole group), `fake_quantized_inputs` (what the members compute with, per scheme) and
-`quantize_linears` (an optional AWQ clip search, then GPTQ with the group's shared Hessian or
-min-max rounding). Nothing here changes a module.
+`observe_activations` (static W8A8: one range for the whole group), `fake_quantized_inputs`
+(what the members compute with, per scheme) and `quantize_linears` (an optional AWQ clip
+search, then GPTQ with the group's shared Hessian or min-max rounding). Nothing here
+changes a module.
 """
 
 from __future__ import annotations
@@ -124,24 +124,38 @@ def weight_qparams(scheme: str, w: torch.Tensor, gs: int, symmetric: bool, ratio
 
 
 def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized: dict[str, str],
-               recipe: Recipe, group_size: int | None = None) -> tuple[float | None, torch.Tensor | None]:
+               recipe: Recipe, prefix: str = "", group_size: int | None = None
+               ) -> tuple[float | None, torch.Tensor | None]:
     """(alpha, s [k]) of the AWQ scaling for a group with input tokens [t, k] and members'
     weights [n_i, k]: the best of the recipe's `awq.alphas` or no scaling (alpha and s None),
-    scored on a token sample with the first quantized member's scheme (weights at min-max,
-    the clip search comes later; activations as the scheme quantizes them). `group_size`:
-    instead of the recipe's (per-channel experts)."""
+    scored on a token sample with the first quantized member's scheme: its activation
+    quantizer and (`awq.score` minmax) its min-max weights, or (`final`) each member's own
+    rounding as `quantize_linears` does it (clip search, GPTQ on the scaled inputs' Hessian).
+    `prefix` names the layer; `group_size`: instead of the recipe's (per-channel experts)."""
     scheme = next(iter(quantized.values()))
     info = SCHEMES[scheme]
     gs = info.group_size_for(recipe.group_size if group_size is None else group_size)
     symmetric = symmetric_weights(scheme, recipe)
 
-    def quantize_weight(w):
+    def minmax_weight(w, _s):
         scale, offset, _ = weight_qparams(scheme, w, gs, symmetric)
         return numerics.fake_quantize_weight(w, scale, info.weight_bits, offset)
 
+    names = list(quantized)
+    rows = [weights[n].shape[0] for n in names]
+    cap = recipe.gptq.hessian_tokens
+    fit = stride(tokens, cap and max(cap, 4 * tokens.shape[-1]))
+
+    def final_weight(w, s):
+        inputs = {sch: _input_quantizer(SCHEMES[sch])(fit / s) for sch in dict.fromkeys(quantized.values())}
+        plans = {n: _plan(n, quantized[n], part, recipe, prefix, None, group_size, inputs[quantized[n]])
+                 for n, part in zip(names, w.split(rows))}
+        rounded = _round(plans, inputs, recipe)
+        return torch.cat([numerics.dequantize(*rounded[n], plans[n]["offset"]) for n in names])
+
     alpha, s = search_scales(stride(tokens, SEARCH_TOKENS), activation_mean(tokens),
                              [weights[n] for n in quantized], recipe.awq.alphas, _input_quantizer(info),
-                             quantize_weight)
+                             final_weight if recipe.awq.score == "final" else minmax_weight)
     return alpha, (None if alpha is None else s)
 
 

@@ -80,6 +80,9 @@ class AWQ:
     # (and activation) quantizer is closest to the float output on a token sample wins; it
     # replaces SmoothQuant where both are given. Empty: no scaling, clip search only
     alphas: list[float] = field(default_factory=lambda: [i / 10 for i in range(11)])
+    # how candidates are scored: minmax (the scheme's min-max weights, cheap) or final (each
+    # Linear's own rounding: clip search, GPTQ; one rounding of the group per candidate)
+    score: str = "minmax"
     # then per row or group of each Linear the range shrink ratio in [clip_min, 1] (clip_grid
     # steps) with the smallest output error of that group's part of the product; GPTQ, if it
     # runs, keeps those scales
@@ -267,6 +270,8 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
                     and isinstance(awq.clip_min, (int, float)) and 0.0 < awq.clip_min <= 1.0
                     and isinstance(awq.clip_grid, int) and awq.clip_grid >= 1):
         raise RecipeError(f"{where}: awq alphas must be within [0, 1], clip_min within (0, 1], clip_grid a count >= 1")
+    if awq and awq.score not in ("minmax", "final"):
+        raise RecipeError(f"{where}: awq.score must be minmax or final, got {awq.score!r}")
     if not recipe.weights.symmetric and not get_scheme(recipe.scheme).weight_zero_points:
         zp = ", ".join(n for n, s in SCHEMES.items() if s.weight_zero_points)
         raise RecipeError(f"{where}: weights.symmetric false (zero points) needs a scheme that stores them ({zp}), "

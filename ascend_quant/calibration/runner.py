@@ -169,7 +169,7 @@ class _GroupHook:
         expert = self.experts is not None
         group_size = 0 if expert and _activations_quantized(quantized) else None      # per-channel experts
         if self.awq:
-            self.alpha, s = choose_awq(flat, weights, quantized, recipe, group_size)
+            self.alpha, s = choose_awq(flat, weights, quantized, recipe, self.prefix, group_size)
         elif self.smoothed:
             self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
         if s is not None:
