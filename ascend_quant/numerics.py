@@ -17,6 +17,8 @@ Conventions
 | quantity            | dtype, shape            | formula                                        |
 |---------------------|-------------------------|------------------------------------------------|
 | weight scale        | float32 [n,1] / [n,k/g] | `max|w| / qmax` (127 for int8, 7 for int4)      |
+| asym. weight scale  | float32 [n,1] / [n,k/g] | `(mx - mn) / (qmax - qmin)`, range widened to 0 |
+| weight offset       | float32, as the scale   | `qmin - round(mn / scale)`; `w ~= (q - offset) * scale` |
 | quantized weight    | int8 [n,k]              | `clamp(round(w / scale), qmin, qmax)`           |
 | input scale/offset  | float32 [1]             | `max(mx,0)/255 - min(mn,0)/255`, `round(-mn/s) - 128` |
 | deq_scale           | float32 [n] / int64 [n] | `input_scale * weight_scale` (int64 = float32 bits) |
@@ -24,6 +26,7 @@ Conventions
 | scale_bias (W4A8)   | float32 [n, chunks]     | `8 * sum_k(w4 * scale)` per chunk of k          |
 | smoothed norm gain  | as the norm [k]         | `w / s`; (1+w) norm (Gemma): `(1 + w) / s - 1`  |
 | rotated Linear (R1) | as the weight           | reader `(w · gain) Q`, writer `Qᵀ w` (bias `Qᵀ b`) |
+| AWQ factor          | float32 [k]             | `mean|x|^alpha / sqrt(max * min)`               |
 """
 
 from __future__ import annotations
@@ -120,6 +123,42 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int = 0
     """Symmetric min-max quantization of a weight: returns (int8 [n, k], scale)."""
     scale = weight_scale(w, bits, group_size)
     return quantize(w, scale, bits), scale
+
+
+def weight_qparams(w: torch.Tensor, bits: int, group_size: int = 0, symmetric: bool = True,
+                   ratio: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Min-max weight (scale, offset) per row or group, the range shrunk by `ratio` (a float,
+    or a tensor broadcasting against the scale: a clip ratio per row or group).
+
+    Symmetric: `scale = ratio * max|w| / qmax`, offset None (what `weight_scale` gives at ratio 1).
+    Asymmetric: the range `[min(w), max(w)]` widened to include 0 and scaled by `ratio`,
+    `scale = (mx - mn) / (qmax - qmin)`, `offset = qmin - round(mn / scale)` (an integer
+    within [qmin, qmax]), so that `w ~= (q - offset) * scale` with q in [qmin, qmax]; an
+    all-zero group gets scale 1 (its values map to q = offset, dequantized to 0).
+    Both float32 [n, 1] or [n, k // g].
+    """
+    n, k = w.shape
+    qmin, qmax = qrange(bits)
+    wf = w.float()
+    if group_size:
+        check_group_size(k, group_size)
+        wf = wf.reshape(n, k // group_size, group_size)
+    else:
+        wf = wf.unsqueeze(1)
+    ratio = torch.as_tensor(ratio, dtype=torch.float32)
+    if symmetric:
+        return absmax_scale(wf.abs().amax(-1) * ratio, qmax), None
+    mn = torch.clamp(wf.amin(-1), max=0.0) * ratio
+    mx = torch.clamp(wf.amax(-1), min=0.0) * ratio
+    scale = absmax_scale(mx - mn, qmax - qmin)
+    return scale, qmin - torch.round(mn / scale)
+
+
+def fake_quantize_weight(w: torch.Tensor, scale: torch.Tensor, bits: int,
+                         offset: torch.Tensor | None = None) -> torch.Tensor:
+    """`dequantize(quantize(w, scale, bits, offset), scale, offset)`: w [n, k] as its integer
+    weights compute (float32)."""
+    return dequantize(quantize(w, scale, bits, offset), scale, offset)
 
 
 def two_stage_int4(w: torch.Tensor, group_size: int
@@ -219,6 +258,14 @@ def smoothed_norm_gain(w: torch.Tensor, s: torch.Tensor, offset: bool = False) -
     wf, sf = w.float(), s.float()
     return ((1.0 + wf) / sf - 1.0 if offset else wf / sf).to(w.dtype)
 
+
+def awq_factors(act_mean: torch.Tensor, alpha: float, eps: float = 1e-5) -> torch.Tensor:
+    """AWQ's activation-aware per-channel factor s [k] = mean|x|^alpha, normalized so that
+    max(s) * min(s) = 1 (a common factor changes nothing for min-max weights; this keeps the
+    folded norm gains and weights near their magnitudes). alpha 0 gives all ones: no scaling.
+    act_mean: [k] mean absolute activation per input channel."""
+    s = act_mean.float().clamp(min=eps).pow(alpha)
+    return (s / torch.sqrt(s.amax() * s.amin())).clamp(min=eps)
 
 
 # ------------------------------------------------------------------- offline rotations
@@ -329,6 +376,7 @@ def rotate_head_columns(w: torch.Tensor, rs: torch.Tensor, group: int) -> torch.
     heads, d, _ = r.shape
     blocks = w.double().reshape(n, heads, d)
     return torch.einsum("nhd,hde->nhe", blocks, r).reshape(w.shape).to(w.dtype)
+
 
 # -------------------------------------------------------------- W8A8 static tensors
 

@@ -14,7 +14,7 @@ arithmetic:
 | W8A8 | `w_q * deq_scale[n]` | `x_q = clamp(round(x * bf16(1/s_x) + o_x), -128, 127)` | `quant_bias * deq_scale` (`bias` is folded in) |
 | W8A8_DYNAMIC | `w_q * s_w[n]` | `round(x / s_t) * s_t`, `s_t = max_k abs(x[t]) / 127` | `bias` |
 | W8A16 | `w_q * s_w[n]` | `x` | `bias` |
-| W4A16 | `w4 * s[n, k // g]` | `x` | `bias` |
+| W4A16 | `(w4 - offset[n, k // g]) * s[n, k // g]` (offset: zero points, msModelSlim's sign) | `x` | `bias` |
 | W4A8_DYNAMIC | `w4 * s1[n]` or `w4 * bf16(s2[n, k // g]) * bf16(s1[n])` | per token as W8A8_DYNAMIC | `bias` |
 
 plus `norm(x) + b` for a `<norm>.bias` tensor and, with C8, K (after RoPE) and V replaced by
@@ -25,7 +25,8 @@ in summation order.
 The document says where vllm-ascend rounds a scale to bf16 but not what a float32 model does
 there. Those three places are marked "open:" below; the oracle takes the reading the runtime
 takes (found by comparing outputs, not by reading its code), so that everything else is held to
-the document and the three stay visible decisions rather than silent ones.
+the document and the three stay visible decisions rather than silent ones. A fourth "open:"
+is W4A16's zero point, whose sign the document does not give (msModelSlim's is taken).
 """
 
 from __future__ import annotations
@@ -119,6 +120,13 @@ def dequantized_linear(tensors: dict[str, torch.Tensor], desc: dict, prefix: str
         deq = decode_deq_scale(t["deq_scale"])
         weight = t["weight"].float() * deq[:, None]
         return weight, t["quant_bias"].float() * deq, static_quant(t["input_scale"], t["input_offset"])
+    if qtype == "W4A16":                                                # per group: scale [n, k/g]
+        # open: section 2 lists weight_offset [n, k/g] without its formula; taken as msModelSlim
+        # defines it, subtracted from the integer weight before the scale
+        w4, scale = unpack_int4(t["weight"]).float(), t["weight_scale"].float()
+        offset = t["weight_offset"].float() if "weight_offset" in t else torch.zeros_like(scale)
+        per = w4.shape[1] // scale.shape[1]
+        return (w4 - offset.repeat_interleave(per, dim=1)) * scale.repeat_interleave(per, dim=1), bias, None
     _require_zero(t, "weight_offset", prefix)
     if qtype == "W8A8_DYNAMIC":
         # open: section 2 has weight_scale "held in bf16 at runtime", i.e. in a bf16 model's dtype;
@@ -128,8 +136,6 @@ def dequantized_linear(tensors: dict[str, torch.Tensor], desc: dict, prefix: str
         return t["weight"].float() * t["weight_scale"].float().reshape(-1, 1), bias, None
     w4 = unpack_int4(t["weight"]).float()
     scale = t["weight_scale"].float()
-    if qtype == "W4A16":                                                # per group: scale [n, k/g]
-        return w4 * scale.repeat_interleave(w4.shape[1] // scale.shape[1], dim=1), bias, None
     if qtype == "W4A8_DYNAMIC":
         if "weight_scale_second" in t:                                  # two-stage: s2[n, k//g] * s1[n]
             _require_zero(t, "weight_offset_second", prefix)

@@ -1,6 +1,7 @@
 """GPTQ (Frantar et al., 2022): quantize a weight column by column, pushing each column's
 rounding error onto the columns not yet quantized through the inverse Hessian of the
-layer's inputs. Symmetric, int8 or int4, per-channel or per-group, optional act-order.
+layer's inputs. Int8 or int4, per-channel or per-group, optional act-order; symmetric, or
+asymmetric with given zero points.
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ def _inverse_cholesky_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int = 0,
                   percdamp: float = 0.01, blocksize: int = 128, act_order: bool = False,
-                  mse_scales: bool = True, scale: torch.Tensor | None = None, native_sweep: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  mse_scales: bool = True, scale: torch.Tensor | None = None, native_sweep: bool = True,
+                  offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (q int8 [n, k] in the original column order, scale [n, 1] or [n, k // g]).
 
     Scales are fixed before the column sweep (per channel from W, per group from W's
     original columns, optionally MSE-clipped), so that they line up with the checkpoint's
     contiguous groups also under act-order. A given `scale` ([n, 1] or [n, k // g]) is used
-    as is (two-stage int4 passes s1 * s2).
+    as is (two-stage int4 passes s1 * s2), with its zero points `offset` (same shape, integer
+    values) if asymmetric: the returned q then dequantizes as `(q - offset) * scale`.
     """
     n, k = w.shape
     W = w.detach().float().clone()
@@ -75,6 +77,11 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
     else:
         scale = numerics.weight_scale(W.float(), bits, group_size)
     scale_full = numerics.expand_groups(scale.float(), k)        # [n, k]
+    if offset is not None:
+        # the grid {(q - o) s : q in [qmin, qmax]} is the symmetric grid {q s} moved by -o s: the
+        # sweep runs on W + o s (an integer-step shift of each group), its rounding errors and
+        # so its updates are those of W on the asymmetric grid, and its q are the stored ones
+        W += numerics.expand_groups(offset.float(), k) * scale_full
     qmin, qmax = numerics.qrange(bits)
 
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k)

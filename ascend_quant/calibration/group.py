@@ -1,11 +1,12 @@
 """The group step: smooth -> observe -> quantize one group of Linears that share an input.
 
 Pure functions on tensors, called in this order by the runner's hook (runner.py) once it
-holds the group's input: `choose_smoothing` (SmoothQuant factors, or none; the runner folds
-them into the producer and the members), `observe_activations` (static W8A8: one range for
-the whole group), `fake_quantized_inputs` (what the members compute with, per scheme) and
-`quantize_linears` (GPTQ with the group's shared Hessian, or min-max rounding). Nothing
-here changes a module.
+holds the group's input: `choose_smoothing` (SmoothQuant factors, or none) or `choose_awq`
+(AWQ factors, or none; the runner folds either into the producer and the members),
+`observe_activations` (static W8A8: one range for the whole group), `fake_quantized_inputs`
+(what the members compute with, per scheme) and `quantize_linears` (an optional AWQ clip
+search, then GPTQ with the group's shared Hessian or min-max rounding). Nothing here
+changes a module.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from ascend_quant import numerics
 from ascend_quant.calibration import CalibrationError
+from ascend_quant.calibration.awq import activation_mean, clip_ratios, search_clip, search_scales
 from ascend_quant.calibration.gptq import gptq_quantize, hessian
 from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
 from ascend_quant.calibration.recipe import Recipe
@@ -29,6 +31,8 @@ ERROR_TOKENS = 256
 # ~5% of the calibration time. Its choice depends on the sample: W8A8_DYNAMIC on SmolLM2-135M
 # scored +0.75% to +1.17% for different samples of 256 or 512 (recipe.py keeps it for W4A8)
 SEARCH_TOKENS = 256
+# AWQ's clip search scores each row's groups on X_g^T X_g from this many (evenly strided) tokens
+CLIP_TOKENS = 1024
 
 
 @dataclass
@@ -80,17 +84,78 @@ def choose_smoothing(tokens: torch.Tensor, weights: dict[str, torch.Tensor], qua
     info = SCHEMES[scheme]
     gs = info.group_size_for(recipe.group_size)
 
-    def quantize_input(x):
-        if info.activation_mode == "dynamic":
-            return numerics.fake_quantize_activation_dynamic(x, in_place=True)
-        scale, offset = numerics.activation_qparams(x.min(), x.max())
-        return numerics.dequantize(numerics.quantize(x, scale, 8, offset=offset), scale, offset)
-
     def quantize_weight(w):
         return numerics.dequantize(*numerics.quantize_weight(w, info.weight_bits, gs))
 
     alpha, s = search_alpha(stride(tokens, SEARCH_TOKENS), act_absmax, [weights[n] for n in quantized],
-                            sq.alphas, quantize_input, quantize_weight)
+                            sq.alphas, _input_quantizer(info), quantize_weight)
+    return alpha, (None if alpha is None else s)
+
+
+def _input_quantizer(info):
+    """x -> x as a scheme's Linears compute with it, for scoring candidates on a token sample
+    (static W8A8: the sample's own min-max range). Overwrites x where it can."""
+    def quantize_input(x):
+        if info.activation_mode == "dynamic":
+            return numerics.fake_quantize_activation_dynamic(x, in_place=True)
+        if info.activation_mode == "static":
+            scale, offset = numerics.activation_qparams(x.min(), x.max())
+            return numerics.dequantize(numerics.quantize(x, scale, 8, offset=offset), scale, offset)
+        return x
+    return quantize_input
+
+
+def symmetric_weights(scheme: str, recipe: Recipe) -> bool:
+    """Whether a member of `scheme` gets symmetric weights (zero points only where the scheme stores them)."""
+    return recipe.weights.symmetric or not SCHEMES[scheme].weight_zero_points
+
+
+def weight_qparams(scheme: str, w: torch.Tensor, gs: int, symmetric: bool, ratio: torch.Tensor | float = 1.0,
+                   group_scale=None) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """The scheme's weight quantizer: (scale, offset or None, (s1, s2) or None) of w [n, k] with its
+    range shrunk by `ratio` (two-stage int4: s1 from the row, s2 from the shrunk per-group scale,
+    scale = s1 * s2; `group_scale`: that per-group scale given instead, e.g. an MSE observer's)."""
+    info = SCHEMES[scheme]
+    scale, offset = numerics.weight_qparams(w, info.weight_bits, gs, symmetric, ratio)
+    two_stage = info.fixed_scales(w, gs, group_scale or (lambda: scale))
+    if two_stage is not None:
+        return two_stage[0] * two_stage[1], None, two_stage
+    return scale, offset, None
+
+
+def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized: dict[str, str],
+               recipe: Recipe, prefix: str = "", group_size: int | None = None
+               ) -> tuple[float | None, torch.Tensor | None]:
+    """(alpha, s [k]) of the AWQ scaling for a group with input tokens [t, k] and members'
+    weights [n_i, k]: the best of the recipe's `awq.alphas` or no scaling (alpha and s None),
+    scored on a token sample with the first quantized member's scheme: its activation
+    quantizer and (`awq.score` minmax) its min-max weights, or (`final`) each member's own
+    rounding as `quantize_linears` does it (clip search, GPTQ on the scaled inputs' Hessian).
+    `prefix` names the layer; `group_size`: instead of the recipe's (per-channel experts)."""
+    scheme = next(iter(quantized.values()))
+    info = SCHEMES[scheme]
+    gs = info.group_size_for(recipe.group_size if group_size is None else group_size)
+    symmetric = symmetric_weights(scheme, recipe)
+
+    def minmax_weight(w, _s):
+        scale, offset, _ = weight_qparams(scheme, w, gs, symmetric)
+        return numerics.fake_quantize_weight(w, scale, info.weight_bits, offset)
+
+    names = list(quantized)
+    rows = [weights[n].shape[0] for n in names]
+    cap = recipe.gptq.hessian_tokens
+    fit = stride(tokens, cap and max(cap, 4 * tokens.shape[-1]))
+
+    def final_weight(w, s):
+        inputs = {sch: _input_quantizer(SCHEMES[sch])(fit / s) for sch in dict.fromkeys(quantized.values())}
+        plans = {n: _plan(n, quantized[n], part, recipe, prefix, None, group_size, inputs[quantized[n]])
+                 for n, part in zip(names, w.split(rows))}
+        rounded = _round(plans, inputs, recipe)
+        return torch.cat([numerics.dequantize(*rounded[n], plans[n]["offset"]) for n in names])
+
+    alpha, s = search_scales(stride(tokens, SEARCH_TOKENS), activation_mean(tokens),
+                             [weights[n] for n in quantized], recipe.awq.alphas, _input_quantizer(info),
+                             final_weight if recipe.awq.score == "final" else minmax_weight)
     return alpha, (None if alpha is None else s)
 
 
@@ -147,11 +212,14 @@ def fake_quantized_inputs(x: torch.Tensor, subsample: torch.Tensor, quantized: d
 # ---------------------------------------------------------------------- quantize
 
 def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
-          method: str | None = None, group_size: int | None = None) -> dict:
-    """How one member's weight w [n, k] is rounded: method, group size and, for two-stage
-    int4, the fixed scales s1 [n, 1] and s2 [n, k // g] (`method`, `group_size`: instead of
-    the recipe's)."""
+          method: str | None = None, group_size: int | None = None, tokens: torch.Tensor | None = None) -> dict:
+    """How one member's weight w [n, k] is rounded: method, group size and the scales fixed
+    before rounding, if any: two-stage int4's s1 [n, 1] and s2 [n, k // g], an AWQ clip
+    search's (on `tokens` [t, k], the input the member computes with; not for an expert's
+    min-max fallback) or asymmetric min-max ones with their zero points (`method`,
+    `group_size`: instead of the recipe's)."""
     info = SCHEMES[scheme]
+    fallback = method == "minmax"
     method = method or recipe.method_for(f"{prefix}.{name}")
     k = w.shape[1]
     gs = info.group_size_for(recipe.group_size if group_size is None else group_size)
@@ -160,11 +228,26 @@ def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
             f"{prefix}.{name}: in-features {k} are not divisible by --group-size {gs}; "
             f"use a group size that divides {k} (e.g. 64 or 32)")
     bits = info.weight_bits
-    two_stage = info.fixed_scales(w, gs, lambda: mse_weight_scale(w, bits, gs) if method == "gptq"
-                                  else numerics.weight_scale(w, bits, gs))
+    symmetric = symmetric_weights(scheme, recipe)
+    awq = recipe.awq
+    ratio = None
+    if awq is not None and awq.clip and not fallback and tokens is not None and tokens.shape[0]:
+        def qparams(wt, r):
+            return weight_qparams(scheme, wt, gs, symmetric, r)[:2]
+        _, _, ratio = search_clip(w, stride(tokens, CLIP_TOKENS), qparams, bits, gs,
+                                  clip_ratios(awq.clip_min, awq.clip_grid))
+        fixed, offset, two_stage = weight_qparams(scheme, w, gs, symmetric, ratio)
+    elif symmetric:           # fixed only for two-stage int4; else GPTQ or min-max chooses
+        fixed, offset, two_stage = weight_qparams(
+            scheme, w, gs, True, group_scale=lambda: mse_weight_scale(w, bits, gs) if method == "gptq"
+            else numerics.weight_scale(w, bits, gs))
+        if two_stage is None:
+            fixed = None
+    else:
+        fixed, offset, two_stage = weight_qparams(scheme, w, gs, False)
     s1, s2 = two_stage or (None, None)
-    fixed = None if two_stage is None else s1 * s2
-    return dict(scheme=scheme, method=method, w=w, gs=gs, s1=s1, s2=s2, fixed=fixed)
+    return dict(scheme=scheme, method=method, w=w, gs=gs, s1=s1, s2=s2, fixed=fixed, offset=offset,
+                clip=None if ratio is None else ratio.mean().item())
 
 
 def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Recipe
@@ -175,21 +258,23 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     batches: dict[tuple, list[str]] = {}
     for name, plan in plans.items():
+        bits = SCHEMES[plan["scheme"]].weight_bits
         if plan["method"] == "gptq":
-            batches.setdefault((plan["scheme"], plan["gs"], plan["fixed"] is not None), []).append(name)
+            batches.setdefault((plan["scheme"], plan["gs"], plan["fixed"] is not None,
+                                plan["offset"] is not None), []).append(name)
         else:
-            scale = plan["fixed"] if plan["fixed"] is not None else \
-                numerics.weight_scale(plan["w"], SCHEMES[plan["scheme"]].weight_bits, plan["gs"])
-            rounded[name] = (numerics.quantize(plan["w"], scale, SCHEMES[plan["scheme"]].weight_bits), scale)
-    for (scheme, gs, has_fixed), names in batches.items():
+            scale = plan["fixed"] if plan["fixed"] is not None else numerics.weight_scale(plan["w"], bits, plan["gs"])
+            rounded[name] = (numerics.quantize(plan["w"], scale, bits, plan["offset"]), scale)
+    for (scheme, gs, has_fixed, has_offset), names in batches.items():
         g = recipe.gptq
         rows = [plans[n]["w"].shape[0] for n in names]
         fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
+        offset = torch.cat([plans[n]["offset"] for n in names]) if has_offset else None
         q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]),
                                  hessian(stride(inputs[scheme], g.hessian_tokens and
                                                 max(g.hessian_tokens, 4 * inputs[scheme].shape[-1]))),
                                  SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
-                                 g.mse_scales, scale=fixed)
+                                 g.mse_scales, scale=fixed, offset=offset)
         rounded.update(zip(names, zip(q.split(rows), scale.split(rows))))
     return rounded
 
@@ -204,9 +289,10 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
     group's activation range. Each one's `error` is its relative output error on the float
     `subsample` against its fake-quantized copy `sub_inputs[scheme]` (weight and activation
     rounding both count). `prefix` names the layer (recipe overrides, errors); `method` and
-    `group_size` replace the recipe's (an expert's min-max fallback, per-channel experts)."""
-    plans = {name: _plan(name, scheme, weights[name].float(), recipe, prefix, method, group_size)
-             for name, scheme in quantized.items()}
+    `group_size` replace the recipe's (an expert's min-max fallback, per-channel experts).
+    With the recipe's `awq.clip` each member's scales come from a clip search on its input."""
+    plans = {name: _plan(name, scheme, weights[name].float(), recipe, prefix, method, group_size,
+                         inputs.get(scheme)) for name, scheme in quantized.items()}
     rounded = _round(plans, inputs, recipe)
     linears: dict[str, QuantizedLinear] = {}
     for name, plan in plans.items():
@@ -215,7 +301,8 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
         bias = biases[name].detach().float().clone() if biases[name] is not None else None
         qlin = QuantizedLinear(scheme, q, plan["s1"] if plan["s1"] is not None else scale, bias, plan["s2"],
                                qparams.input_scale, qparams.input_offset, running=qparams.running,
-                               row_parallel=row_parallel)
+                               row_parallel=row_parallel, offset=plan["offset"])
+        qlin.clip_ratio = plan["clip"]
         wq = qlin.dequantized()
         ref = subsample @ w.t()
         err = sub_inputs[scheme] @ wq.t() - ref

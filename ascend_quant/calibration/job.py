@@ -254,6 +254,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
                   **({"rotation": rotated} if rotated is not None else {}),
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                               "errors": r.errors, "smoothquant_alphas": r.alphas,
+                              **({"awq_alphas": r.awq_alphas} if r.awq_alphas else {}),
+                              **({"clip_ratios": r.clip_ratios} if r.clip_ratios else {}),
                               **({"expert_tokens": r.expert_tokens, "expert_fallbacks": r.fallbacks}
                                  if r.expert_tokens else {})} for r in reports]}, indent=2)}
     files.update(extra_files or {})

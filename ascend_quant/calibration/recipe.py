@@ -9,6 +9,8 @@ overrides matched with shell-style patterns on the module name:
     smoothquant: {alpha: 0.8, smooth_down: true, alphas: [0.5, 0.7, 0.9], group_alpha: {down: 0.5}}
     activations: {observer: percentile, percentile: 99.99}
     gptq: {damp: 0.01, block_size: 128, act_order: true}
+    awq: {alphas: [0.0, 0.25, 0.5, 0.75, 1.0], clip: true}   # weight-rounding search (see AWQ)
+    weights: {symmetric: false}   # zero points (W4A16 only)
     kv_cache: {dtype: int8, method: mse}
     moe: {tokens: routed, min_tokens: 32}        # MoE experts (see MoE below)
     rotation: {kind: hadamard, r2: true, seed: 0}  # offline R1/R2 first (calibration/rotation.py)
@@ -73,6 +75,30 @@ class GPTQ:
 
 
 @dataclass
+class AWQ:
+    # activation-aware scaling per group of Linears with a producer: s = mean|x|^alpha folded
+    # into the producer, the alpha (or no scaling) whose output with the scheme's own weight
+    # (and activation) quantizer is closest to the float output on a token sample wins; it
+    # replaces SmoothQuant where both are given. Empty: no scaling, clip search only
+    alphas: list[float] = field(default_factory=lambda: [i / 10 for i in range(11)])
+    # how candidates are scored: minmax (the scheme's min-max weights, cheap) or final (each
+    # Linear's own rounding: clip search, GPTQ; one rounding of the group per candidate)
+    score: str = "minmax"
+    # then per row or group of each Linear the range shrink ratio in [clip_min, 1] (clip_grid
+    # steps) with the smallest output error of that group's part of the product; GPTQ, if it
+    # runs, keeps those scales
+    clip: bool = True
+    clip_min: float = 0.7
+    clip_grid: int = 12
+
+
+@dataclass
+class Weights:
+    # False: asymmetric weights with a zero point per row or group (schemes that store one: W4A16)
+    symmetric: bool = True
+
+
+@dataclass
 class KVCache:
     dtype: str = "int8"
     method: str = "mse"               # mse, absmax, msmodelslim
@@ -112,6 +138,8 @@ class Recipe:
     smoothquant: SmoothQuant | None = None
     activations: Activations = field(default_factory=Activations)
     gptq: GPTQ = field(default_factory=GPTQ)
+    awq: AWQ | None = None
+    weights: Weights = field(default_factory=Weights)
     kv_cache: KVCache | None = None
     moe: MoE = field(default_factory=MoE)
     rotation: Rotation | None = None
@@ -175,6 +203,10 @@ def _apply(recipe: Recipe, data: dict, where: str) -> None:
             recipe.activations = _build(Activations, value, at)
         elif key == "gptq":
             recipe.gptq = _build(GPTQ, value, at)
+        elif key == "awq":
+            recipe.awq = _build(AWQ, value, at)
+        elif key == "weights":
+            recipe.weights = _build(Weights, value, at) or Weights()
         elif key == "kv_cache":
             recipe.kv_cache = _build(KVCache, value, at)
         elif key == "rotation":
@@ -246,6 +278,17 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
     if sq and not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0
                       for a in [sq.alpha, *sq.alphas, *sq.group_alpha.values()]):
         raise RecipeError(f"{where}: smoothquant alpha, alphas and group_alpha must be within [0, 1]")
+    awq = recipe.awq
+    if awq and not (all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for a in awq.alphas)
+                    and isinstance(awq.clip_min, (int, float)) and 0.0 < awq.clip_min <= 1.0
+                    and isinstance(awq.clip_grid, int) and awq.clip_grid >= 1):
+        raise RecipeError(f"{where}: awq alphas must be within [0, 1], clip_min within (0, 1], clip_grid a count >= 1")
+    if awq and awq.score not in ("minmax", "final"):
+        raise RecipeError(f"{where}: awq.score must be minmax or final, got {awq.score!r}")
+    if not recipe.weights.symmetric and not get_scheme(recipe.scheme).weight_zero_points:
+        zp = ", ".join(n for n, s in SCHEMES.items() if s.weight_zero_points)
+        raise RecipeError(f"{where}: weights.symmetric false (zero points) needs a scheme that stores them ({zp}), "
+                          f"not {recipe.scheme}")
     if recipe.moe.tokens not in ("routed", "all") or not isinstance(recipe.moe.min_tokens, int) \
             or recipe.moe.min_tokens < 0:
         raise RecipeError(f"{where}: moe.tokens must be routed or all, moe.min_tokens a count >= 0")

@@ -3,7 +3,7 @@
 For each decoder layer: run it once on the calibration inputs with hooks in place. When a
 group of Linears that share an input (q/k/v, o, gate/up, down) is reached, its hook holds
 that input for every calibration token and runs the group step there (group.py):
-SmoothQuant factors (folded here into the producing norm or Linear), the activation
+SmoothQuant or AWQ factors (folded here into the producing norm or Linear), the activation
 observer (static W8A8: one range for the whole group), GPTQ with the group's shared Hessian
 or min-max rounding; then the Linears continue with fake-quantized weights and activations.
 The attention hook sees post-RoPE K/V, chooses the C8 scales and fake-quantizes them. So
@@ -29,7 +29,7 @@ from ascend_quant import memory
 from ascend_quant.arch import ArchSpec, LinearExperts, LinearGroup, experts_of, lean_mlp, replace_experts, spec_for_model
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.calibration import CalibrationError
-from ascend_quant.calibration.group import (choose_smoothing, error_sample, fake_quantized_inputs,
+from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
                                             observe_activations, quantize_linears, smooths)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
 from ascend_quant.calibration.recipe import Recipe
@@ -44,12 +44,14 @@ class _StopForward(Exception):
 @dataclass
 class LayerReport:
     """What calibrating one decoder layer did: its time, each Linear's scheme and error, each
-    smoothed group's alpha."""
+    smoothed group's alpha, each AWQ-searched group's alpha, each clip-searched Linear's mean ratio."""
     index: int
     seconds: float
     schemes: dict[str, str] = field(default_factory=dict)     # linear -> scheme
     errors: dict[str, float] = field(default_factory=dict)    # linear -> relative output error
     alphas: dict[str, float | None] = field(default_factory=dict)   # smoothed group -> alpha (None: none)
+    awq_alphas: dict[str, float | None] = field(default_factory=dict)  # AWQ group -> alpha (None: no scaling)
+    clip_ratios: dict[str, float] = field(default_factory=dict)     # linear -> mean AWQ clip ratio
     expert_tokens: dict[str, int] = field(default_factory=dict)     # MoE: expert -> real routed tokens
     fallbacks: dict[str, int] = field(default_factory=dict)         # experts given min-max weights -> tokens
 
@@ -82,6 +84,7 @@ class _GroupHook:
         self.fed: set[torch.nn.Module] = set()     # members whose input has been handed over
         self.alpha: float | None = None            # the smoothing applied (None: none)
         self.smoothed = False
+        self.awq = False                           # scaled by AWQ's search (alpha: its choice)
         self.touched: set[str] = set()             # modules (layer-relative) whose weights changed
         self.tokens: int | None = None             # an expert's real tokens (None: never reached)
         self.fallback = False                      # an expert given min-max weights (too few tokens)
@@ -159,10 +162,15 @@ class _GroupHook:
         weights = {name: m.weight for name, m in self.modules.items()}
         # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
         producer = self.layer.get_submodule(group.producer) if group.producer is not None else None
-        self.smoothed = producer is not None and not self.fallback and \
+        self.awq = producer is not None and not self.fallback and recipe.awq is not None and bool(recipe.awq.alphas)
+        self.smoothed = producer is not None and not self.fallback and not self.awq and \
             smooths(recipe, quantized.values(), isinstance(producer, torch.nn.Linear))
         s = None
-        if self.smoothed:
+        expert = self.experts is not None
+        group_size = 0 if expert and _activations_quantized(quantized) else None      # per-channel experts
+        if self.awq:
+            self.alpha, s = choose_awq(flat, weights, quantized, recipe, self.prefix, group_size)
+        elif self.smoothed:
             self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
         if s is not None:
             rows = group.producer_rows(producer.weight.shape[0])      # all, or gate_up_proj's up half
@@ -185,11 +193,9 @@ class _GroupHook:
         del inputs
         # 4. the weights: GPTQ on the group's shared Hessian, or min-max
         biases = {name: m.bias for name, m in self.modules.items()}
-        expert = self.experts is not None
         linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
                                    group.row_parallel, recipe, self.prefix,
-                                   method="minmax" if self.fallback else None,
-                                   group_size=0 if expert and _activations_quantized(quantized) else None)
+                                   method="minmax" if self.fallback else None, group_size=group_size)
         for name, qlin in linears.items():
             module = self.modules[name]
             module.weight.data = qlin.dequantized().to(module.weight.dtype)
@@ -412,12 +418,14 @@ def _layer_report(index: int, seconds: float, groups: list[_GroupHook], results:
             report.schemes[name] = scheme
             if not is_float(scheme):
                 report.errors[name] = results[f"{prefix}.{name}"].error
-        if gq.smoothed:
+                if results[f"{prefix}.{name}"].clip_ratio is not None:
+                    report.clip_ratios[name] = round(results[f"{prefix}.{name}"].clip_ratio, 4)
+        if gq.smoothed or gq.awq:
             # a MoE layer's shared-expert and expert groups are named by where they sit
             moe_group = experts is not None and (gq.group.expert is not None or gq.group.name in dense
                                                  and gq.group.linears[0].startswith(spec.moe.block + "."))
             key = f"{gq.group.linears[0].rpartition('.')[0]}.{gq.group.name}" if moe_group else gq.group.name
-            report.alphas[key] = gq.alpha
+            (report.awq_alphas if gq.awq else report.alphas)[key] = gq.alpha
     if experts is not None:
         base = spec.moe.experts_path
         report.expert_tokens = {f"{base}.{e}": n for e, n in sorted(experts.counts.items())}

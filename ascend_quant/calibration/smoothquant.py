@@ -49,16 +49,27 @@ def search_alpha(x: torch.Tensor, act_absmax: torch.Tensor, weights: list[torch.
     None and s all ones when not smoothing wins.
     """
     w_absmax = _weight_absmax(weights)
+    candidates = {alpha: _factors(act_absmax, w_absmax, alpha) for alpha in alphas}
+    return best_factors(x, weights, candidates, quantize_input, lambda w, _s: quantize_weight(w))
+
+
+@torch.no_grad()
+def best_factors(x: torch.Tensor, weights: list[torch.Tensor], candidates: dict,
+                 quantize_input: Callable[[torch.Tensor], torch.Tensor],
+                 quantize_weight: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[object, torch.Tensor]:
+    """The candidate factor s [k] (`candidates`: label -> s) or no scaling (label None, s all
+    ones, tried first so that it wins ties) with the smallest `||Qa(x / s) Qw(W * s)^T - x W^T||^2`
+    on tokens x [t, k], W the `weights` [n_i, k] stacked; `quantize_weight(W * s, s)` gives
+    Qw(W * s). Returns (label, s)."""
     w = torch.cat([m.detach().float() for m in weights])
     ref = x @ w.t()
-    best: tuple[float, float | None, torch.Tensor] | None = None
-    ones = torch.ones_like(act_absmax, dtype=torch.float32)
-    for alpha in [None, *alphas]:
-        s = ones if alpha is None else _factors(act_absmax, w_absmax, alpha)
-        out = quantize_input(x / s) @ quantize_weight(w * s).t()
+    best: tuple[float, object, torch.Tensor] | None = None
+    ones = torch.ones(x.shape[-1], dtype=torch.float32)
+    for label, s in [(None, ones), *candidates.items()]:
+        out = quantize_input(x / s) @ quantize_weight(w * s, s).t()
         err = out.sub_(ref).square_().sum().item()
         if best is None or err < best[0]:
-            best = (err, alpha, s)
+            best = (err, label, s)
     return best[1], best[2]
 
 

@@ -53,6 +53,7 @@ def verify(path: str | Path) -> Report:
     _check_moe(ckpt, report)
     _check_fused(ckpt, report)
     report.problems.extend(checkpoint_value_problems(ckpt))
+    _value_notes(ckpt, report)
     gap = spec_for_config(ckpt.config).vllm_ascend_gap
     if gap:
         report.notes.append(gap)
@@ -198,6 +199,16 @@ def _check_linear(ckpt: Checkpoint, prefix: str, scheme_name: str, shapes: dict[
     read = lambda name: ckpt.tensor(name) if name in ckpt.infos else None  # noqa: E731
     for problem in scheme.value_problems(prefix, read):
         report.problems.append(f"{_rel(ckpt, prefix + '.weight')}: {problem}")
+
+
+def _value_notes(ckpt: Checkpoint, report: Report) -> None:
+    """Each scheme's notes on valid Linears not served everywhere (e.g. W4A16 zero points), once each."""
+    read = lambda name: ckpt.tensor(name) if name in ckpt.infos else None  # noqa: E731
+    for prefix, mod in ckpt.modules().items():
+        if is_linear(mod.weight_scheme):
+            for note in SCHEMES[mod.weight_scheme].value_notes(prefix, read):
+                if note not in report.notes:
+                    report.notes.append(note)
 
 
 def _out_features(weight: TensorInfo, scale: TensorInfo | None, packed: bool) -> int:

@@ -62,6 +62,7 @@ class QuantizedLinear:
     row_parallel: bool = False
     offset: torch.Tensor | None = None       # weight zero points (None: symmetric)
     error: float = 0.0                       # calibration: relative output error on calibration tokens
+    clip_ratio: float | None = None          # calibration: mean AWQ clip ratio (None: no clip search)
 
     def effective_scale(self) -> torch.Tensor:
         """The scale per weight group as calibration rounds with it (two-stage: s2 * s1; the NPU
@@ -129,6 +130,8 @@ class Scheme:
     activation_mode: str = "none"       # "static" (per-tensor, calibrated), "dynamic" (per-token), "none"
     activation_symmetric: bool = True
     default_group_size: int = 0         # 0 = per-channel
+    # calibration may write asymmetric weights (`weight_offset` zero points, `(w - offset) * scale`)
+    weight_zero_points: bool = False
     kv_cache: bool = False              # a KV-cache scheme, not a Linear scheme
     linear: bool = False                # a quantized-Linear scheme (has tensor specs, pack, forward)
     served_by_vllm_ascend: str = ""     # what vllm-ascend 0.23 does with it (model card, inspect)
@@ -180,6 +183,11 @@ class Scheme:
 
     def value_problems(self, name: str, read: Callable[[str], torch.Tensor]) -> list[str]:
         """Rules beyond `formats.checks` that a stored Linear `name` must meet to be served right."""
+        return []
+
+    def value_notes(self, name: str, read: Callable[[str], torch.Tensor]) -> list[str]:
+        """What `verify` notes about a stored Linear `name` that is valid but not served everywhere
+        (one line per kind, without the Linear's name: verify prints each once)."""
         return []
 
     def served_scale(self, ql: QuantizedLinear) -> torch.Tensor:

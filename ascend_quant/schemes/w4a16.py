@@ -1,8 +1,11 @@
-"""W4A16: int4 symmetric weights per group of in-features (packed two per byte along the
-out-features), float activations. vllm-ascend 0.23 serves it for MoE experts only: dense
-Linears are served by our runtime."""
+"""W4A16: int4 weights per group of in-features (packed two per byte along the out-features),
+symmetric or with zero points (`weight_offset` per group, `(w - offset) * scale`), float
+activations. vllm-ascend 0.23 serves it for MoE experts only (symmetric, llm-compressor's
+layout): dense Linears are served by our runtime."""
 
 from __future__ import annotations
+
+import torch
 
 from ascend_quant.schemes.base import WeightOnlyScheme
 
@@ -13,11 +16,19 @@ class W4A16(WeightOnlyScheme):
     weight_bits = 4
     weight_granularity = "group"
     default_group_size = 64
+    weight_zero_points = True
     served_by_vllm_ascend = "not for dense Linears (served by ascend-quant's own runtime)"
     preset = {"method": "gptq"}
 
     def group_size_for(self, requested):
         return requested
+
+    def value_notes(self, name, read):
+        off = read(f"{name}.weight_offset")
+        if off is not None and bool(torch.any(off != 0)):
+            return ["W4A16 with zero points (nonzero weight_offset): served by ascend-quant's runtime; vllm-ascend "
+                    "loads W4A16 for MoE experts only, symmetric (llm-compressor's layout, no offsets)"]
+        return []
 
 
 SCHEME = W4A16()
