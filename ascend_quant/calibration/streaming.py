@@ -61,14 +61,18 @@ class WeightFiles:
         if not self.where:
             raise StreamingUnavailable(f"{folder}: no safetensors weights")
 
-    def read(self, names: list[str], dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
-        from safetensors import SafetensorError
-
+    def _by_file(self, names: list[str]) -> dict[Path, list[str]]:
+        """`names` grouped by the file that holds them (each file is opened once)."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             by_file[self.where[name]].append(name)
+        return by_file
+
+    def read(self, names: list[str], dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+        from safetensors import SafetensorError
+
         out = {}
-        for path, file_names in by_file.items():
+        for path, file_names in self._by_file(names).items():
             with _open(path) as f:
                 for name in file_names:
                     try:
@@ -85,11 +89,8 @@ class WeightFiles:
 
     def headers(self, names: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
         """The stored shape and safetensors dtype (`"BF16"`, `"F8_E4M3"`) of `names`, one open per file."""
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for name in names:
-            by_file[self.where[name]].append(name)
         out = {}
-        for path, file_names in by_file.items():
+        for path, file_names in self._by_file(names).items():
             with _open(path) as f:
                 for n in file_names:
                     part = f.get_slice(n)
