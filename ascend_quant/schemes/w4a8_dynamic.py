@@ -64,9 +64,10 @@ class W4A8Dynamic(Scheme):
         `group_scale()` is the per-group scale the observer chose. None: per-channel."""
         if not group_size:
             return None
+        # s2: floor or ceil of group_scale / s1 by the group's rounding error, not round():
+        # SmolLM2-135M g64, 32 samples, 4096 held-out tokens: +21.56% -> +19.63%
         s1 = numerics.absmax_scale(w.abs().amax(-1, keepdim=True), numerics.TWO_STAGE_INT8_BOUND)
-        s2 = torch.clamp(torch.round(group_scale() / s1), 1.0, 127.0)
-        return s1, s2
+        return s1, numerics.two_stage_second_scale(w, s1, group_scale(), group_size)
 
     def pack(self, ql, model_dtype):
         n = ql.q.shape[0]
