@@ -111,6 +111,7 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
 E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a16", "w4a8")
 PREFILL = (16, 256)            # prompts x tokens, one token generated
 DECODE = (8, 32, 32)           # sequences x prompt tokens x generated tokens
+WARMUP = (4, 64)               # prompts x tokens, 4 generated, before any timing
 
 
 def bench_checkpoints(model: Path, ct: str | None, float32_quantized: bool = False
@@ -139,6 +140,49 @@ def bench_checkpoints(model: Path, ct: str | None, float32_quantized: bool = Fal
     return engines
 
 
+def make_llm(model: str, quantization: str | None, dtype: str, prefill=PREFILL, decode=DECODE):
+    """An in-process vLLM engine sized for the prefill and decode runs; returns (llm, init seconds)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the model lives in this process
+    from vllm import LLM
+
+    n_pre, len_pre = prefill
+    _, len_dec, gen = decode
+    t = time.perf_counter()
+    llm = LLM(model, quantization=quantization, dtype=dtype, enforce_eager=True, seed=0,
+              max_model_len=max(len_pre, len_dec, WARMUP[1]) + gen + 16, max_num_seqs=max(n_pre, decode[0]),
+              max_num_batched_tokens=max(n_pre * len_pre, WARMUP[0] * WARMUP[1]), kv_cache_memory_bytes=1 << 30,
+              enable_prefix_caching=False, disable_log_stats=False)
+    return llm, time.perf_counter() - t
+
+
+def measure(llm, prefill=PREFILL, decode=DECODE) -> dict:
+    """Prefill tokens/s (prompts x tokens, one generated, median of 2) and decode tokens/s
+    (sequences / median inter-token latency from the engine's timestamps) on random token ids."""
+    from vllm import SamplingParams
+
+    n_pre, len_pre = prefill
+    n_dec, len_dec, gen = decode
+
+    def prompts(n, length, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [{"prompt_token_ids": torch.randint(100, 40000, (length,), generator=g).tolist()} for _ in range(n)]
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts(*WARMUP, 1), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    runs = []
+    for rep in range(2):
+        t = time.perf_counter()
+        llm.generate(prompts(n_pre, len_pre, 10 + rep), one, use_tqdm=False)
+        runs.append(n_pre * len_pre / (time.perf_counter() - t))
+    outs = llm.generate(prompts(n_dec, len_dec, 99), SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    itl = sorted((o.metrics.last_token_ts - o.metrics.first_token_ts) / (len(o.outputs[0].token_ids) - 1)
+                 for o in outs if o.metrics is not None and len(o.outputs[0].token_ids) > 1)
+    return {"prefill_tok_s": statistics.median(runs), "prefill_runs": runs,
+            "decode_tok_s": n_dec / itl[len(itl) // 2] if itl else None,
+            "median_itl_ms": 1e3 * itl[len(itl) // 2] if itl else None}
+
+
 def engine_child(argv) -> int:
     """One engine in this process: prints a JSON line with throughput and weight bytes."""
     ap = argparse.ArgumentParser()
@@ -147,35 +191,11 @@ def engine_child(argv) -> int:
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args(argv)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the model lives in this process
     torch.set_num_threads(a.threads)
-    from vllm import LLM, SamplingParams
-
     from ascend_quant.evaluation.vllm_engine import shutdown
 
-    n_pre, len_pre = PREFILL
-    n_dec, len_dec, gen = DECODE
-    t = time.perf_counter()
-    llm = LLM(a.model, quantization=a.quantization, dtype=a.dtype, enforce_eager=True, seed=0,
-              max_model_len=len_pre + gen + 16, max_num_seqs=n_pre, max_num_batched_tokens=n_pre * len_pre,
-              kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, disable_log_stats=False)
-    init_s = time.perf_counter() - t
-
-    def prompts(n, length, seed):
-        g = torch.Generator().manual_seed(seed)
-        return [{"prompt_token_ids": torch.randint(100, 40000, (length,), generator=g).tolist()} for _ in range(n)]
-
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts(4, 64, 1), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)   # warm-up
-    prefill = []
-    for rep in range(2):
-        t = time.perf_counter()
-        llm.generate(prompts(n_pre, len_pre, 10 + rep), one, use_tqdm=False)
-        prefill.append(n_pre * len_pre / (time.perf_counter() - t))
-    outs = llm.generate(prompts(n_dec, len_dec, 99), SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
-    itl = sorted((o.metrics.last_token_ts - o.metrics.first_token_ts) / (len(o.outputs[0].token_ids) - 1)
-                 for o in outs if o.metrics is not None and len(o.outputs[0].token_ids) > 1)
+    llm, init_s = make_llm(a.model, a.quantization, a.dtype)
+    speed = measure(llm)
 
     def weight_bytes(model):
         from vllm.model_executor.layers.linear import LinearBase
@@ -196,10 +216,7 @@ def engine_child(argv) -> int:
 
     mem = llm.apply_model(weight_bytes)[0]
     shutdown(llm)       # now, not at interpreter exit: an abort there would drop this engine's row
-    print("E2E_RESULT " + json.dumps({"init_s": init_s, "prefill_tok_s": statistics.median(prefill),
-                                      "prefill_runs": prefill,
-                                      "decode_tok_s": n_dec / itl[len(itl) // 2] if itl else None,
-                                      "median_itl_ms": 1e3 * itl[len(itl) // 2] if itl else None, **mem}), flush=True)
+    print("E2E_RESULT " + json.dumps({"init_s": init_s, **speed, **mem}), flush=True)
     return 0
 
 
