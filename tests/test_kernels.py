@@ -253,3 +253,28 @@ def test_dynamic_quantizer_has_no_value_branch():
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and s[2].item() == 1.0
     qc, sc = torch.compile(b.quantize_dynamic, fullgraph=False)(x)
     assert torch.equal(qc, q) and torch.equal(sc, s)
+
+
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, False), (torch.bfloat16, True),
+                                                 (torch.float32, False)])
+def test_finalized_int8_linear_keeps_one_copy(out_dtype, with_bias):
+    """A vLLM layer's W8A8_DYNAMIC weight, finalized for its output dtype and bias, leaves the
+    integers to oneDNN's prepacked copy (where oneDNN serves: VNNI CPUs) and gives the same
+    outputs as before; a float32-finalized weight still serves bfloat16 calls (cast last)."""
+    g = torch.Generator().manual_seed(3)
+    w_q, s = numerics.quantize_weight(torch.randn(48, 96, generator=g), 8)
+    t = {"weight": w_q, "weight_scale": s.float(), "weight_offset": torch.zeros_like(s)}
+    b = CpuBackend()
+    pl = PreparedLinear.build("W8A8_DYNAMIC", t, backend=b, dtype=out_dtype)
+    x = torch.randn(5, 96, generator=g).to(out_dtype)
+    bias = torch.randn(48, generator=g).to(out_dtype) if with_bias else None
+    before = pl(x, bias)
+    b.finalize_linear(pl, out_dtype, with_bias)
+    assert pl.prepared.holds_integers() == (not b.use_onednn)
+    assert torch.equal(pl(x, bias), before)
+    ref = PreparedLinear.build("W8A8_DYNAMIC", t, backend=ReferenceBackend(), dtype=out_dtype)
+    assert torch.equal(pl(x, bias), ref(x, bias))
+    if out_dtype == torch.float32 or with_bias:
+        xb = x.to(torch.bfloat16)
+        assert torch.equal(pl(xb, bias if bias is None else bias.to(torch.bfloat16)),
+                           ref(xb, bias if bias is None else bias.to(torch.bfloat16)))

@@ -220,6 +220,10 @@ class CpuInt8Weight:
     packed: bool = False            # int4 values packed two per byte along k
     gemv: GemvWeight | None = None
 
+    def holds_integers(self) -> bool:
+        """False once `CpuBackend.finalize_linear` left the weight to oneDNN's own copy."""
+        return self.weight_t is not None or self.gemv is not None
+
     def int8_kn(self) -> torch.Tensor:
         """The integer weight as int8 [k, n], the transpose of a contiguous [n, k] (as oneDNN takes it)."""
         if self.gemv is not None:
@@ -338,9 +342,15 @@ class CpuBackend(ReferenceBackend):
             # epilogue cast last; with a bias oneDNN rounds twice), else float32 cast here
             dt = torch.bfloat16 if out_dtype == torch.bfloat16 and bias is None else torch.float32
             handler = w.onednn.get(dt)
+            if handler is None and not w.holds_integers():
+                # finalized for another output: a float32 handler serves any dtype exactly (cast last)
+                dt = torch.float32
+                handler = w.onednn.get(dt)
+                if handler is None:
+                    raise RuntimeError("cpu backend: this int8 weight was finalized for bfloat16 output without "
+                                       "a bias; it cannot serve a float32 output or a bias")
             if handler is None:
-                handler = w.onednn[dt] = vllm_cpu_ops().create_onednn_scaled_mm(
-                    w.int8_kn(), w.scale, dt, True, False, 32)
+                handler = w.onednn[dt] = self._onednn_handler(w, dt)
             out = torch.empty((x2.shape[0], w.n), dtype=dt)
             if pertoken_scale is None:
                 s_a = torch.ones((x2.shape[0], 1))
@@ -365,6 +375,24 @@ class CpuBackend(ReferenceBackend):
                 part = (x[:, start:end] @ w.chunk(start, end)).to(torch.int32)
                 acc = part if acc is None else acc + part
         return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
+
+    @staticmethod
+    def _onednn_handler(w: CpuInt8Weight, dt: torch.dtype):
+        return vllm_cpu_ops().create_onednn_scaled_mm(w.int8_kn(), w.scale, dt, True, False, 32)
+
+    def finalize_linear(self, linear, out_dtype: torch.dtype, has_bias: bool) -> None:
+        """For a Linear whose output dtype and bias are fixed (a vLLM layer): build the one oneDNN
+        handler its calls will use and drop our integer copy of the weight, which oneDNN has
+        prepacked into its own (otherwise both stay: twice the int8 bytes). Only for dynamic
+        activations: static W8A8 adds its quant_bias in our own GEMM, from our copy."""
+        w = linear.prepared
+        if not isinstance(w, CpuInt8Weight) or w.onednn is None or linear.scheme.activation_mode != "dynamic":
+            return
+        dt = torch.bfloat16 if out_dtype == torch.bfloat16 and not has_bias else torch.float32
+        if dt not in w.onednn:
+            w.onednn[dt] = self._onednn_handler(w, dt)
+        w.weight_t = None
+        w.gemv = None
 
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.float32):
         if _weight_mode() == "float32":

@@ -151,6 +151,10 @@ class AscendQuantLinearMethod(LinearMethodBase):
                                 bits=SCHEMES[self.scheme].weight_bits)
         layer.ascend_qlinear = PreparedLinear.build(self.scheme, t, backend=b, dtype=layer.params_dtype,
                                                  add_quant_bias=add_quant_bias)
+        # the output dtype and the bias are fixed now: a backend may keep one layout only
+        finalize = getattr(b, "finalize_linear", None)
+        if finalize is not None:
+            finalize(layer.ascend_qlinear, layer.params_dtype, getattr(layer, "bias", None) is not None)
         # the kernel keeps what it needs in its own layout: drop the loaded copies, so that
         # serving memory is that of the prepared weights alone
         for name, param in layer.named_parameters(recurse=False):
