@@ -20,6 +20,17 @@ def fixture_dir(name: str) -> Path:
     return path
 
 
+TINY_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def add_tiny_tokenizer(dst: Path) -> Path:
+    """Copy the tiny-qwen2 fixture's tokenizer (writable) into a model folder a test built."""
+    for f in TINY_TOKENIZER_FILES:
+        shutil.copy(fixture_dir("tiny-qwen2-fp32") / f, dst / f)
+        (dst / f).chmod(0o644)
+    return dst
+
+
 @pytest.fixture
 def golden_copy(tmp_path):
     """A writable copy of a golden folder (the fixtures themselves are never touched)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import types
 from pathlib import Path
 
@@ -20,9 +19,8 @@ from safetensors.torch import load_file
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import write_checkpoint
 from ascend_quant.schemes import QuantizedLinear, checkpoint_entries, get_scheme
-from conftest import fixture_dir
+from conftest import add_tiny_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 NUM_EXPERTS = 4
 # family -> (the MoE block's name on disk, gate / up / down names of an expert on disk)
 LAYOUTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -69,9 +67,7 @@ def build_tiny_moe(family: str, dst: Path, seed: int = 0, logit_gain: float = 4.
                 p.copy_(torch.randn(p.shape, generator=g) * 0.12)
         model.model.norm.weight.mul_(logit_gain)
     model.save_pretrained(dst, safe_serialization=True)
-    for f in TOKENIZER_FILES:
-        shutil.copy(fixture_dir("tiny-qwen2-fp32") / f, dst / f)
-        (dst / f).chmod(0o644)
+    add_tiny_tokenizer(dst)
     return dst
 
 

@@ -12,7 +12,6 @@ routing would tie and a fold into a norm of ones would hide a wrong factor).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,9 +27,8 @@ from ascend_quant.formats.inspect import format_summary, summarize
 from ascend_quant.formats.verify import verify
 from ascend_quant.runtime.reference_model import load_reference_model
 from ascend_quant.schemes import FLOAT, get_scheme
-from conftest import FIXTURES, fixture_dir
+from conftest import FIXTURES, add_tiny_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 E, INTER, LAYERS = 4, 64, 2
 IDS = torch.tensor([[1, 17, 250, 33, 400, 5, 77, 140, 3, 99, 31, 8, 300, 301, 40, 41, 42, 7, 12, 500]])
 # what a DeepSeek-V3 MTP layer holds besides a decoder layer's modules (its README_WEIGHTS)
@@ -95,9 +93,7 @@ def build_tiny(dst: Path, model=None, mtp: bool = True, dtype: torch.dtype = tor
         config["dtype"] = str(dtype).replace("torch.", "")
         (dst / "config.json").write_text(json.dumps(config))
     save_file(state, str(f), metadata={"format": "pt"})
-    for name in TOKENIZER_FILES:
-        shutil.copy(fixture_dir("tiny-qwen2-fp32") / name, dst / name)
-        (dst / name).chmod(0o644)
+    add_tiny_tokenizer(dst)
     return dst
 
 

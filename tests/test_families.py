@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,8 @@ from ascend_quant.calibration import job, recipe as recipes
 from ascend_quant.calibration.smoothquant import apply_smoothing
 from ascend_quant.formats.verify import verify
 from ascend_quant.runtime.reference_model import load_reference_model
-from conftest import FIXTURES, fixture_dir
+from conftest import FIXTURES, add_tiny_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
               head_dim=32, sliding_window=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
               pad_token_id=0, query_pre_attn_scalar=32)
@@ -56,9 +54,7 @@ def build_tiny(family: str, dst: Path, seed: int = 0, logit_gain: float = 1.0) -
                 p.copy_(torch.randn(p.shape, generator=g) * 0.08)
         model.model.norm.weight.copy_((1 + model.model.norm.weight) * logit_gain - 1)
     model.save_pretrained(dst, safe_serialization=True)
-    for f in TOKENIZER_FILES:
-        shutil.copy(fixture_dir("tiny-qwen2-fp32") / f, dst / f)
-        (dst / f).chmod(0o644)
+    add_tiny_tokenizer(dst)
     return dst
 
 

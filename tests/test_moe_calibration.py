@@ -27,9 +27,8 @@ from ascend_quant.formats.inspect import format_summary, summarize
 from ascend_quant.formats.verify import verify
 from ascend_quant.runtime.reference_model import load_reference_model
 from ascend_quant.schemes import FLOAT, SCHEMES, get_scheme
-from conftest import FIXTURES, fixture_dir
+from conftest import FIXTURES, add_tiny_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
               max_position_embeddings=256, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 E, INTER = 4, 64
@@ -71,9 +70,7 @@ def _random_model(family: str, seed: int = 0):
 def build_tiny(family: str, dst: Path, model=None, fused_on_disk: bool = False) -> Path:
     model = model if model is not None else _random_model(family)
     model.save_pretrained(dst, save_original_format=not fused_on_disk)
-    for f in TOKENIZER_FILES:
-        shutil.copy(fixture_dir("tiny-qwen2-fp32") / f, dst / f)
-        (dst / f).chmod(0o644)
+    add_tiny_tokenizer(dst)
     return dst
 
 

@@ -10,7 +10,6 @@ go unnoticed), and the Llama model has GQA and tied embeddings.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,8 @@ from ascend_quant.calibration.rotation import rotate_model, rotation_map
 from ascend_quant.cli.main import cli
 from ascend_quant.formats.verify import verify
 from ascend_quant.runtime.reference_model import load_reference_model
-from conftest import FIXTURES, fixture_dir
+from conftest import FIXTURES, add_tiny_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 IDS = torch.tensor([[1, 17, 250, 33, 400, 5, 77, 140, 3, 99, 31, 8, 300, 301, 40, 41, 42, 7, 12, 500]])
 
 
@@ -66,9 +64,7 @@ def _random_model(family: str, seed: int = 0, logit_gain: float = 1.0):
 
 def _saved(family: str, dst: Path, logit_gain: float = 1.0) -> Path:
     _random_model(family, logit_gain=logit_gain).save_pretrained(dst, safe_serialization=True)
-    for f in TOKENIZER_FILES:
-        shutil.copy(fixture_dir("tiny-qwen2-fp32") / f, dst / f)
-        (dst / f).chmod(0o644)
+    add_tiny_tokenizer(dst)
     return dst
 
 
