@@ -201,6 +201,13 @@ def _gemv(lib, w: GemvWeight, x2: torch.Tensor, mode: int, out_dtype: torch.dtyp
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
+def _onednn_out_dtype(out_dtype: torch.dtype, has_bias: bool) -> torch.dtype:
+    """The output dtype of the oneDNN handler a call uses: bfloat16 straight from oneDNN when
+    there is no bias (measured equal to the float32 epilogue cast last; with a bias oneDNN
+    rounds twice), else float32, cast afterwards."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 and not has_bias else torch.float32
+
+
 def _gemv_exact(w: GemvWeight) -> bool:
     """Whether mode 1 (int8 x_q) is exact for `w`: every lane of the kernel sums at most
     groups * gp / 8 products (AVX2: 8 lanes), each at most 128 * 2^(bits-1) in magnitude, and
@@ -338,9 +345,7 @@ class CpuBackend(ReferenceBackend):
                 and self.gemv_lib is not None):
             return _gemv(self.gemv_lib, w.gemv, x2, 1, out_dtype, bias, pertoken_scale).reshape(*lead, -1)
         if w.onednn is not None and quant_bias is None:
-            # bfloat16 straight from oneDNN when there is no bias (measured equal to the float32
-            # epilogue cast last; with a bias oneDNN rounds twice), else float32 cast here
-            dt = torch.bfloat16 if out_dtype == torch.bfloat16 and bias is None else torch.float32
+            dt = _onednn_out_dtype(out_dtype, bias is not None)
             handler = w.onednn.get(dt)
             if handler is None and not w.holds_integers():
                 # finalized for another output: a float32 handler serves any dtype exactly (cast last)
@@ -388,7 +393,7 @@ class CpuBackend(ReferenceBackend):
         w = linear.prepared
         if not isinstance(w, CpuInt8Weight) or w.onednn is None or linear.scheme.activation_mode != "dynamic":
             return
-        dt = torch.bfloat16 if out_dtype == torch.bfloat16 and not has_bias else torch.float32
+        dt = _onednn_out_dtype(out_dtype, has_bias)
         if dt not in w.onednn:
             w.onednn[dt] = self._onednn_handler(w, dt)
         w.weight_t = None
