@@ -26,6 +26,7 @@ import vllm  # noqa: E402  (a broken install fails the suite, never skips it)
 
 from ascend_quant import numerics  # noqa: E402
 from ascend_quant.runtime import kernels  # noqa: E402
+from ascend_quant.runtime.kernels import cpu  # noqa: E402
 from ascend_quant.runtime.kernels.moe import routed_experts  # noqa: E402
 from ascend_quant.schemes import PreparedLinear, QuantizedLinear, get_scheme  # noqa: E402
 from test_vllm_runtime import MAX_TOKENS, PROMPTS, run_engine as runtime_engine, run_engine_tp2  # noqa: E402
@@ -62,12 +63,18 @@ def _served_experts(model) -> list[dict]:
             out.append({"layer": name, "method": type(m.quant_method).__name__})
         if isinstance(m, RoutedExperts):
             info = {"layer": name, "method": type(m.quant_method).__name__}
-            if hasattr(m, "ascend_experts"):
+            grouped = getattr(getattr(m, "ascend_experts", None), "w13", None)     # the cpu backend's VNNI kernel
+            if grouped is not None:
+                w13, w2 = m.ascend_experts.w13, m.ascend_experts.w2
+                info.update(count=len(m.ascend_experts), kernel="grouped", w13_dtype=str(w13.w.dtype),
+                            w13_packed=w13.bits == 4, w13_bytes=w13.bytes_per_expert(), w13_shape=(w13.n, w13.k),
+                            w2_shape=(w2.n, w2.k), group_size=(0, 0))
+            elif hasattr(m, "ascend_experts"):
                 w13, w2 = m.ascend_experts[0]
                 gemv = getattr(w13.prepared, "gemv", None)       # the cpu backend's GEMV layout, if used
                 held = gemv.q if gemv is not None else w13.prepared.weight_t
                 packed = gemv.bits == 4 if gemv is not None else w13.prepared.packed
-                info.update(count=len(m.ascend_experts), w13_dtype=str(held.dtype),
+                info.update(count=len(m.ascend_experts), kernel="loop", w13_dtype=str(held.dtype),
                             w13_packed=packed, w13_bytes=held.numel(),
                             w13_shape=(w13.n, w13.k), w2_shape=(w2.n, w2.k), group_size=(w13.group_size, w2.group_size))
             out.append(info)
@@ -141,8 +148,11 @@ def test_quantized_experts_are_what_is_served(name, float_models, generations):
     block = "block_sparse_moe" if family == "mixtral" else "mlp"
     assert [s["layer"] for s in served] == [f"model.layers.{i}.{block}.experts.routed_experts"
                                             for i in MOE_LAYERS[family]], served
+    # int8 activations: all experts in one VNNI kernel where the CPU has it, else expert by expert
+    kernel = "grouped" if get_scheme(scheme).activation_bits and cpu.moe_mode() == "grouped" else "loop"
     for s in served:
         assert s["method"] == "AscendQuantMoEMethod" and s["count"] == NUM_EXPERTS, s
+        assert s["kernel"] == kernel, s
         assert s["w13_shape"] == (128, 64) and s["w2_shape"] == (64, 64), s
         assert s["w13_dtype"] == "torch.int8" and s["group_size"] == (group_size, group_size), s
         if get_scheme(scheme).weight_bits == 4:
@@ -260,6 +270,42 @@ def test_grouped_kernel_matches_the_reference_backend_and_the_formula(scheme):
         (results["reference"] - expected).abs().max()
     with pytest.raises(ValueError, match="expert ids must lie in"):
         routed_experts(x, topk_weights, topk_ids + 3, experts)
+
+
+@pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC"])
+def test_vnni_grouped_experts_equal_the_reference_bit_for_bit(scheme, monkeypatch):
+    """int8-activation experts in one VNNI kernel call per projection (`int8_experts.c`):
+    bit-identical to the reference backend expert by expert, in float32 and bfloat16, with
+    padded shapes (n not a multiple of 16, k not of 8), idle experts and more than one register
+    tile of tokens per expert; `ASCEND_QUANT_CPU_MOE=loop` gives the list back. Without AVX-512
+    VNNI the backend does not group, and forcing it is refused."""
+    e, h, i, t, k = 5, 200, 48, 21, 3           # w13 [96, 200], w2 [200, 48]: both padded
+    stored = _random_experts(scheme, e, h, i, seed=1)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, h, generator=g) * 3
+    topk_ids = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])    # expert 4 idle
+    topk_weights = torch.softmax(torch.randn(t, k, generator=g), -1)
+    ref_b, cpu_b = kernels.backend("reference"), kernels.backend("cpu")
+    build = lambda b: [(PreparedLinear.build(scheme, a, backend=b), PreparedLinear.build(scheme, c, backend=b))  # noqa: E731
+                       for a, c in stored]
+    if cpu.moe_mode() != "grouped":
+        assert cpu_b.group_experts(build(cpu_b), torch.float32) is None
+        monkeypatch.setenv(cpu.MOE_ENV, "grouped")
+        with pytest.raises(ValueError, match="AVX-512 VNNI"):
+            cpu.moe_mode()
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        grouped = cpu_b.group_experts(build(cpu_b), dtype)
+        assert type(grouped).__name__ == "CpuGroupedExperts" and len(grouped) == e
+        got = routed_experts(x.to(dtype), topk_weights, topk_ids, grouped)
+        want = routed_experts(x.to(dtype), topk_weights, topk_ids, build(ref_b))
+        assert got.dtype == dtype and torch.equal(got, want), (dtype, (got.float() - want.float()).abs().max())
+        assert got.abs().max() > 0
+    monkeypatch.setenv(cpu.MOE_ENV, "loop")
+    assert cpu_b.group_experts(build(cpu_b), torch.float32) is None
+    monkeypatch.setenv(cpu.MOE_ENV, "vnni")
+    with pytest.raises(ValueError, match="use grouped or loop"):
+        cpu.moe_mode()
 
 
 # ----------------------------------------------------------------------------- errors

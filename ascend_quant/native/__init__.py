@@ -1,6 +1,7 @@
 """Build and load our C kernels on first use: the int8 paged KV cache (`c8_kernel.c`), GPTQ's
 column sweep (`gptq_kernel.c`) and the quantized-weight GEMV of the CPU backend (`wq_gemv.c`,
-built once per instruction set: `WQ_GEMV["avx512bf16"]`, `["avx512"]`, `["avx2"]`).
+built once per instruction set: `WQ_GEMV["avx512bf16"]`, `["avx512"]`, `["avx2"]`) and the
+routed experts of int8-activation MoE layers on AVX-512 VNNI CPUs (`int8_experts.c`).
 
 Each library is compiled with the host C compiler (`cc -O3 -march=native -fopenmp`), a few
 seconds, into `$ASCEND_QUANT_KERNEL_CACHE` (default `~/.cache/ascend_quant/kernels`), named by
@@ -133,6 +134,12 @@ WQ_GEMV = {
     "avx512": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512], []),
     "avx2": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, "-mavx2", "-mfma"], []),
 }
+
+INT8_EXPERTS = NativeLibrary(
+    HERE / "int8_experts.c",
+    {"ie_experts": [_p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i32, _i64, _i64, _i64, _p, _p, _p, _i32, _i64,
+                    _p, _i64, _p, _p, _i32, _p]},
+    [*_WQ_FLAGS, *_AVX512, "-mavx512vl", "-mavx512vnni"], [])
 
 
 def load() -> ctypes.CDLL | None:

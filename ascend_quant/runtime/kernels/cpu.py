@@ -25,6 +25,12 @@ VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CP
 machines too (`off`: the torch path). Larger batches (prefill) run
 float32 GEMMs over k-chunks converted from the same weights (or oneDNN, see above).
 
+Routed experts whose Linears take int8 activations (W8A8_DYNAMIC, per-channel W4A8_DYNAMIC)
+run, on CPUs with AVX-512 VNNI, all experts of a layer in one call per projection
+(`native/int8_experts.c`, `group_experts`): exact int32 sums, the reference's epilogue,
+one int8 / packed int4 copy of the weights. `ASCEND_QUANT_CPU_MOE=loop` forces the expert by
+expert path of `kernels.moe` (the path of CPUs without VNNI).
+
 The per-token activation quantizer is the same library's `wq_quant_dynamic` (the reference's
 formula with its IEEE division; the torch one with `off`), so every path's int8 activations
 equal the reference's bit for bit.
@@ -56,6 +62,7 @@ ISAS = ("avx512bf16", "avx512", "avx2", "off")
 # thread, 576x3072: at 64 tokens the GEMV took 1.8 ms (AVX512-BF16) / 2.8 ms (AVX-512), the
 # float32 GEMMs over dequantized chunks 6.8 ms
 GEMV_MAX_M = 64
+MOE_ENV = "ASCEND_QUANT_CPU_MOE"      # "grouped" (default with AVX-512 VNNI) or "loop"
 GEMV_PAD = 32            # the kernel's groups are padded to a multiple of this many values
 _XDT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _YDT = {torch.float32: 0, torch.bfloat16: 1}
@@ -88,6 +95,25 @@ def vllm_cpu_ops():
         return ops
     except Exception:   # ImportError, or the op is not compiled into this build
         return None
+
+
+def moe_mode() -> str:
+    """`ASCEND_QUANT_CPU_MOE` if set (grouped refused without AVX-512 VNNI), else grouped where it runs."""
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(_cpu_flags().split())
+    mode = os.environ.get(MOE_ENV) or ("grouped" if has else "loop")
+    if mode not in ("grouped", "loop"):
+        raise ValueError(f"{MOE_ENV}={mode!r}: use grouped or loop")
+    if mode == "grouped" and not has:
+        raise ValueError(f"{MOE_ENV}=grouped needs AVX-512 VNNI, which this CPU lacks; use loop")
+    return mode
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> str:
+    try:
+        return open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
 
 
 def cpu_isa() -> str:
@@ -276,6 +302,93 @@ class CpuWeightOnly:
         return w * scale
 
 
+@dataclass
+class VnniExperts:
+    """One projection of every expert of a layer in `native/int8_experts.c`'s layout: int8
+    bytes [E, n/16 * 16 * kp] (int8 [n/16][kp/4][16][4], or int4 [n/16][kp/8][16][4] bytes, see the
+    C file), n padded to 16 channels and k to kp (a multiple of 8) with zeros; per-channel
+    scale float32 [E, n]; wsum int32 [E, n], each channel's sum of its integer weights."""
+    w: torch.Tensor
+    scale: torch.Tensor
+    wsum: torch.Tensor
+    bits: int
+    n: int
+    k: int
+    kp: int
+
+    def bytes_per_expert(self) -> int:
+        return self.w.shape[1]
+
+    @classmethod
+    def build(cls, weights: list["CpuInt8Weight"], bits: int) -> "VnniExperts":
+        n, k = weights[0].n, weights[0].int8_kn().shape[0]
+        nb, kp = -(-n // 16), -(-k // 8) * 8
+        packed, scales, sums = [], [], []
+        for w in weights:
+            q = torch.zeros(nb * 16, kp, dtype=torch.int8)
+            q[:n, :k] = w.int8_kn().t()
+            sums.append(q[:n].sum(1, dtype=torch.int32))
+            scales.append(w.scale.float().reshape(-1))
+            if bits == 8:       # [nb, 16, kp/4, 4] -> [nb, kp/4, 16, 4]
+                blocks = q.view(nb, 16, kp // 4, 4).permute(0, 2, 1, 3)
+            else:               # value 8s + 4h + b: byte b of step s, low nibble for h = 0
+                v = q.view(nb, 16, kp // 8, 2, 4)
+                blocks = ((v[:, :, :, 0] & 0xF) | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+            packed.append(blocks.contiguous().reshape(-1))
+        return cls(torch.stack(packed), torch.stack(scales).contiguous(), torch.stack(sums).contiguous(), bits, n, k, kp)
+
+
+@dataclass
+class CpuGroupedExperts:
+    """A MoE layer's experts (w13 = [gate; up], w2) for `int8_experts.c`: per-token int8
+    activations (our quantizer), one kernel call per projection for all experts, the SiLU gate
+    in torch between them, the same arithmetic as the expert by expert path."""
+    w13: VnniExperts
+    w2: VnniExperts
+    backend: "CpuBackend" = field(repr=False)
+
+    def __len__(self) -> int:
+        return self.w13.w.shape[0]
+
+    def _call(self, lib, x_q, rows, x_scale, counts_offsets, p: VnniExperts, ydt, *, y=None, out=None,
+              out_rows=None, topw=None):
+        status = ctypes.c_int(0)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        lib.ie_experts(x_q.data_ptr(), x_q.stride(0), ptr(rows), x_scale.data_ptr(), counts_offsets[1],
+                       len(self), counts_offsets[0].data_ptr(), p.w.data_ptr(), p.w.stride(0), p.bits, p.n, p.k,
+                       p.kp, p.scale.data_ptr(), p.wsum.data_ptr(), ptr(y), ydt, 0 if y is None else y.stride(0),
+                       ptr(out), 0 if out is None else out.stride(0), ptr(out_rows),
+                       ptr(topw), torch.get_num_threads(), ctypes.byref(status))
+        if status.value:
+            raise MemoryError("int8_experts: could not allocate its activation buffer")
+
+    def run_grouped(self, x: torch.Tensor, weight: torch.Tensor, token: torch.Tensor, counts: list[int]):
+        """`kernels.moe.routed_experts` for the pairs sorted by expert (`token`, their `weight`)."""
+        lib = native.INT8_EXPERTS.load()
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        pairs = token.numel()
+        if pairs == 0:
+            return out.to(x.dtype)
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        ydt = 1 if x.dtype == torch.bfloat16 else 0
+        x_q, s_x = self.backend.quantize_dynamic(x)
+        token = token.contiguous()
+        s_x = s_x.float().reshape(-1).contiguous()
+        h = torch.empty((pairs, self.w13.n), dtype=torch.bfloat16 if ydt else torch.float32)
+        self._call(lib, x_q, token, s_x, (offsets, pairs), self.w13, ydt, y=h)
+        if h.dtype != x.dtype:
+            h = h.to(x.dtype)
+        i = self.w13.n // 2
+        a = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        a_q, s_a = self.backend.quantize_dynamic(a)
+        s_a = s_a.float().reshape(-1).contiguous()
+        # a_q is already in pair order; the combine adds pair p into its token's row
+        self._call(lib, a_q, None, s_a, (offsets, pairs), self.w2, ydt, out=out, out_rows=token,
+                   topw=weight.float().contiguous())
+        return out.to(x.dtype)
+
+
 class CpuBackend(ReferenceBackend):
     name = "cpu"
 
@@ -398,6 +511,24 @@ class CpuBackend(ReferenceBackend):
             w.onednn[dt] = self._onednn_handler(w, dt)
         w.weight_t = None
         w.gemv = None
+
+    def group_experts(self, experts, dtype: torch.dtype):
+        """`CpuGroupedExperts` when every expert Linear quantizes its input per token and holds
+        its int8 / int4 integers (`prepare_int8`), the serving dtype is float32 or bfloat16 and
+        `moe_mode()` is grouped (AVX-512 VNNI); else None (expert by expert)."""
+        if dtype not in (torch.float32, torch.bfloat16) or not experts or moe_mode() != "grouped":
+            return None
+        linears = [lin for pair in experts for lin in pair]
+        if not all(lin.scheme.activation_mode == "dynamic" and isinstance(lin.prepared, CpuInt8Weight)
+                   and lin.prepared.holds_integers() for lin in linears):
+            return None
+        bits = {4 if (lin.prepared.packed or (lin.prepared.gemv is not None and lin.prepared.gemv.bits == 4)) else 8
+                for lin in linears}
+        if len(bits) != 1 or native.INT8_EXPERTS.load() is None:
+            return None
+        bit = bits.pop()
+        return CpuGroupedExperts(VnniExperts.build([w13.prepared for w13, _ in experts], bit),
+                                 VnniExperts.build([w2.prepared for _, w2 in experts], bit), self)
 
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.float32):
         if _weight_mode() == "float32":

@@ -12,7 +12,9 @@ received tokens:
     y[tokens] += topk_weight * w2(a)        # a is quantized per token again inside w2
 
 which is the CPU reference of moe.md §2. The combine accumulates in float32 and casts to x's
-dtype once.
+dtype once. A backend may group a layer's experts into one kernel (`backend.group_experts`,
+e.g. the cpu backend's `int8_experts.c` on AVX-512 VNNI): `experts` is then that object and
+runs the same arithmetic in one call per projection (`run_grouped`).
 
 The NPU form of W8A8_DYNAMIC experts (moe.md §2, vllm-ascend's unfused chain) runs all experts
 in one grouped matmul per projection, on the tokens sorted by expert:
@@ -53,9 +55,12 @@ def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"routed_experts: x {tuple(x.shape)}, topk_weights {tuple(topk_weights.shape)}, "
                          f"topk_ids {tuple(topk_ids.shape)} (want [T, H], [T, k], [T, k])")
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order, token, counts = group_by_expert(topk_ids, len(experts))
     weight = topk_weights.reshape(-1)[order].float()
+    run_grouped = getattr(experts, "run_grouped", None)
+    if run_grouped is not None:
+        return run_grouped(x, weight, token, counts)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
     for e, count in enumerate(counts):
         if not count:

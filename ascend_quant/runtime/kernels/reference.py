@@ -102,6 +102,12 @@ class ReferenceBackend:
         dequantized with msModelSlim's definition `(w - offset) * scale`."""
         return WeightOnly(numerics.dequantize(weight, scale.float(), None if offset is None else offset.float()))
 
+    # ---------------------------------------------------------------- routed experts
+    def group_experts(self, experts, dtype: torch.dtype):
+        """All of a MoE layer's prepared (w13, w2) experts in one backend kernel, or None:
+        `kernels.moe.routed_experts` then runs them expert by expert."""
+        return None
+
     def weight_only_matmul(self, x, w: WeightOnly, bias=None, out_dtype=None):
         y = x.float() @ w.weight.t()
         if bias is not None:

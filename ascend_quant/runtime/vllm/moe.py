@@ -11,7 +11,8 @@ w2 as a row-parallel one of H), with the `quant_method` ("channel" / "group") th
 branches on.
 
 After loading, every expert becomes two `schemes.PreparedLinear` (w13, w2) built by the
-scheme's `prepare` on the kernel backend, and `apply` hands the routed tokens to
+scheme's `prepare` on the kernel backend (which may group them into one kernel object,
+`backend.group_experts`: the cpu backend's VNNI kernel for int8 activations), and `apply` hands the routed tokens to
 `kernels.moe.routed_experts` through the one custom op `ascend_quant::moe` (runtime.vllm.ops),
 so compiled mode traces around it.
 
@@ -161,7 +162,8 @@ class AscendQuantMoEMethod(FusedMoEMethodBase):
             w2 = PreparedLinear.build(self.scheme, {s: x[e] for s, x in t["w2"].items()}, backend=backend,
                                       dtype=layer.params_dtype, add_quant_bias=first_rank)
             experts.append((w13, w2))
-        layer.ascend_experts = experts
+        # one kernel for all experts where the backend has it (cpu: AVX-512 VNNI), else the list
+        layer.ascend_experts = backend.group_experts(experts, layer.params_dtype) or experts
         # the prepared experts hold what the kernels need: drop the loaded copies
         for stem, specs in self.specs.items():
             for suffix in specs:
