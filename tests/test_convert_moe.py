@@ -26,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ascend_quant import numerics
 from ascend_quant.formats.ascend import read_checkpoint
 from ascend_quant.formats.convert import ConversionError, convert
 from ascend_quant.formats.verify import verify
@@ -38,6 +39,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 VARIANTS = {"qwen3-W8A8_DYNAMIC": ("qwen3_moe", "W8A8_DYNAMIC", 0, ()),
             "qwen3-W4A8_DYNAMIC": ("qwen3_moe", "W4A8_DYNAMIC", 0, ()),
             "qwen3-W4A16-g32": ("qwen3_moe", "W4A16", 32, ()),
+            "qwen3-W8A16": ("qwen3_moe", "W8A16", 0, ()),
             "mixtral-W8A8_DYNAMIC": ("mixtral", "W8A8_DYNAMIC", 0, ()),
             "mixtral-W4A16-g32": ("mixtral", "W4A16", 32, ()),
             "qwen2-W8A8_DYNAMIC-shared": ("qwen2_moe", "W8A8_DYNAMIC", 0, ("shared_expert.",)),
@@ -46,7 +48,7 @@ MOE_LAYERS = {"qwen3_moe": (0, 1), "mixtral": (0, 1), "qwen2_moe": (1,)}
 BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
 # what vLLM 0.32's compressed-tensors MoE method selection tests, per Ascend expert scheme
 VLLM_MOE_KIND = {"W8A8_DYNAMIC": "_is_dynamic_token_w8a8", "W4A8_DYNAMIC": "_is_dynamic_token_w4a8_int",
-                 "W4A16": "_is_wNa16_group_channel"}
+                 "W4A16": "_is_wNa16_group_channel", "W8A16": "_is_wNa16_group_channel"}
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +66,15 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------- an independent reading of compressed-tensors
 
-def _library_groups(qcfg: dict, name: str, is_linear: bool = True) -> list[str] | None:
-    """The config groups the compressed-tensors library matches module `name` to (None when
+def _library_groups(qcfg: dict, name: str) -> list[str] | None:
+    """The config groups the compressed-tensors library matches Linear `name` to (None when
     `ignore` matches it): its `match_name` for names and regexes, `Linear` for the class."""
     from compressed_tensors.utils.match import match_name
 
     if any(match_name(name, t) for t in qcfg["ignore"]):
         return None
     return [g for g, d in qcfg["config_groups"].items()
-            if any(match_name(name, t) or (t == "Linear" and is_linear) for t in d["targets"])]
+            if any(match_name(name, t) or t == "Linear" for t in d["targets"])]
 
 
 def library_dequantized(folder: Path) -> dict[str, torch.Tensor]:
@@ -138,7 +140,7 @@ def _check_compressed_tensors_side(ct: Path, ascend: Path, family: str, scheme: 
         found = [cfg.get_scheme_dict(probe, f"{block}.experts.0.{n}") for n in names]
         assert found[0] is not None and found[0] == found[1] == found[2]
         assert getattr(cfg, VLLM_MOE_KIND[scheme])(found[0]["weights"], found[0]["input_activations"])
-        if scheme == "W4A16":
+        if scheme in ("W4A16", "W8A16"):
             assert found[0]["format"] == "pack-quantized"         # the only format its WNA16 MoE takes
         assert cfg.get_scheme_dict(probe, f"{block}.gate") is None
 
@@ -200,7 +202,6 @@ def test_static_experts_are_refused_naming_the_scheme(float_models, tmp_path):
     state = load_file(ascend / "quant_model_weights.safetensors")
     for key in [k for k in desc if k.endswith(".weight_offset") and ".experts." in k]:
         prefix = key[: -len(".weight_offset")]       # static W8A8: per-tensor input range, deq_scale, quant_bias
-        from ascend_quant import numerics
         scale = torch.tensor([0.02])
         state[f"{prefix}.input_scale"] = scale
         state[f"{prefix}.input_offset"] = torch.zeros(1)
@@ -385,3 +386,19 @@ def test_converted_llm_compressor_moe_serves_the_reference_tokens(library_checkp
         expected.append(ids[0, len(prompt):].tolist())
     served = run_engine(out, PROMPTS)
     assert [tokens for tokens, _ in served] == expected
+
+
+def test_fused_3d_expert_tensors_are_refused(library_checkpoints, tmp_path):
+    """Experts re-fused into 3-D tensors (one [E, 2I, H] gate_up per layer) have no per-expert
+    Linear to map: refused in one line naming the tensor."""
+    ct = tmp_path / "fused"
+    shutil.copytree(library_checkpoints["qwen3_moe-W8A8"], ct)
+    state = load_file(ct / "model.safetensors")
+    base = "model.layers.0.mlp.experts"
+    for suffix in ("weight", "weight_scale"):
+        parts = [torch.cat([state.pop(f"{base}.{e}.gate_proj.{suffix}"), state.pop(f"{base}.{e}.up_proj.{suffix}")])
+                 for e in range(NUM_EXPERTS)]
+        state[f"{base}.gate_up_proj.{suffix}"] = torch.stack(parts)
+    save_file(state, str(ct / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"experts\.gate_up_proj\.weight is \[4, 128, 64\]: fused 3-D experts"):
+        convert(ct, tmp_path / "out")
