@@ -37,9 +37,11 @@ expert and projection before quantizing, and saves them so; vLLM 0.32's
   always names its Linears gate/up/down (`LINEARIZED_EXPERT_LINEARS`), so Mixtral's are
   `block_sparse_moe.experts.E.gate_proj` there (vLLM's Mixtral maps them to w1/w3/w2; the
   original checkpoint's w1/w3/w2 load too).
-* `config_groups` usually target the class `Linear`; the router (`mlp.gate`,
-  Mixtral `block_sparse_moe.gate`) and Qwen2-MoE's `shared_expert_gate` are in `ignore`
-  (`re:.*mlp.gate$`); DeepSeek's `mlp.gate.e_score_correction_bias` is a plain float tensor.
+* `config_groups` usually target the class `Linear`; the recipe's ignore patterns
+  (`re:.*mlp.gate$`, `re:.*shared_expert_gate$`) keep the router and Qwen2-MoE's shared-expert
+  gate float, and the saved `ignore` lists the unquantized Linears by their names in memory
+  (Mixtral `mlp.gate`, while its tensors sit under `block_sparse_moe`). DeepSeek's
+  `mlp.gate.e_score_correction_bias` is a plain float tensor.
 * vLLM resolves a layer's expert scheme from expert 0's gate/up/down names only (they must
   agree) and loads every expert into one `w13_*` / `w2_*` tensor per suffix. MoE methods:
   int8 channel weights + dynamic per-token int8 inputs (int-quantized) -> W8A8 int8 MoE;
