@@ -27,6 +27,27 @@ Conventions (from the `compressed-tensors` 0.17 sources and vLLM 0.32's loader):
   k is zero-padded to a whole word (`weight_shape` keeps the true shape).
 * KV cache: `<attn>.k_scale`, `<attn>.v_scale` on the attention module
   (`model.layers.N.self_attn`), [1] for strategy tensor, [num_kv_heads, 1, 1] for attn_head.
+
+MoE (llm-compressor with transformers 5 "linearizes" fused experts into one Linear per
+expert and projection before quantizing, and saves them so; vLLM 0.32's
+`compressed_tensors_moe`):
+
+* Routed experts are per-expert Linears with the dense tensors above:
+  `model.layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.<suffix>`. The linearized expert
+  always names its Linears gate/up/down (`LINEARIZED_EXPERT_LINEARS`), so Mixtral's are
+  `block_sparse_moe.experts.E.gate_proj` there (vLLM's Mixtral maps them to w1/w3/w2; the
+  original checkpoint's w1/w3/w2 load too).
+* `config_groups` usually target the class `Linear`; the recipe's ignore patterns
+  (`re:.*mlp.gate$`, `re:.*shared_expert_gate$`) keep the router and Qwen2-MoE's shared-expert
+  gate float, and the saved `ignore` lists the unquantized Linears by their names in memory
+  (Mixtral `mlp.gate`, while its tensors sit under `block_sparse_moe`). DeepSeek's
+  `mlp.gate.e_score_correction_bias` is a plain float tensor.
+* vLLM resolves a layer's expert scheme from expert 0's gate/up/down names only (they must
+  agree) and loads every expert into one `w13_*` / `w2_*` tensor per suffix. MoE methods:
+  int8 channel weights + dynamic per-token int8 inputs (int-quantized) -> W8A8 int8 MoE;
+  4/8-bit group or channel weight-only, pack-quantized only -> WNA16 MoE; 4-bit channel or
+  group weights stored one value per int8 (int-quantized) + dynamic per-token int8 inputs ->
+  W4A8 int8 MoE (Arm CPUs only). Static input scales are refused for int8 experts.
 """
 
 from __future__ import annotations
@@ -56,6 +77,8 @@ MIXED = "mixed-precision"
 QUANT_SUFFIXES = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
                   "weight_g_idx", "weight_global_scale", "input_scale", "input_zero_point",
                   "input_global_scale", "output_scale", "output_zero_point")
+# the Linear names of one expert as llm-compressor's linearized experts write them (gate, up, down)
+LINEARIZED_EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 KV_SUFFIXES = ("k_scale", "v_scale", "k_zero_point", "v_zero_point", "q_scale", "q_zero_point")
 
 

