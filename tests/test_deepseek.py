@@ -236,6 +236,10 @@ def test_v3_calibrates_verifies_and_tracks_float(scheme, tmp_path, tiny):
     assert layers[1]["scheme"] == s.name and layers[1]["router_float"] and not layers[1]["mtp"]
     assert layers[LAYERS]["scheme"] == FLOAT.name and layers[LAYERS]["mtp"]
     assert f"MoE layer 1: {E} experts {s.name}, router FLOAT" in format_summary(summary)
+    # MLA caches one latent + RoPE key per token and layer, not K and V per head
+    cached = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * config["num_hidden_layers"]
+    fsize = {"bfloat16": 2, "float16": 2, "float32": 4}[summary["float_dtype"]]
+    assert summary["kv_cache_tokens_per_gib"]["float"] == (1 << 30) // (cached * fsize)
     with torch.no_grad():
         want = _float_model(tiny)(IDS).logits
         got = load_reference_model(out)(IDS).logits

@@ -59,6 +59,7 @@ SPEC = ArchSpec(
     attention_module="self_attn",
     float_linears=("self_attn.kv_b_proj",),
     mla_group="qkv",
+    kv_cache_width=("kv_lora_rank", "qk_rope_head_dim"),     # MLA caches the latent and the RoPE key
     mlp=GatedMLP("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
     moe=_MOE,
     notes=("MLA: kv_b_proj FLOAT; no C8",),

@@ -144,6 +144,9 @@ class ArchSpec:
     attention_module: str | None = None         # the attention module where kv_projections say nothing
     float_linears: tuple[str, ...] = ()         # Linears that must stay FLOAT (DeepSeek's kv_b_proj)
     mla_group: str | None = None                # the MLA input group: its scheme is config.json's `mla_quantize`
+    # config keys whose values sum to the values a layer caches per token (MLA: the latent and
+    # the RoPE key, stored once); () : K and V, 2 * num_key_value_heads * head_dim
+    kv_cache_width: tuple[str, ...] = ()
     discovered: bool = False                    # built by arch/discovery.py (notes: its report)
     # why vllm-ascend 0.23 cannot load this family's checkpoints as written (verify notes it;
     # our runtime serves them), or None
@@ -169,6 +172,13 @@ class ArchSpec:
         n = config_get(config, "num_hidden_layers")
         i = self.layer_index(name) if name.startswith(self.layers_path + ".") else None
         return isinstance(n, int) and i is not None and i >= n
+
+    def kv_values_per_token(self, config, kv_heads: int, head_dim: int) -> int | None:
+        """Values one decoder layer's KV cache holds per token (see `kv_cache_width`)."""
+        if not self.kv_cache_width:
+            return 2 * kv_heads * head_dim
+        parts = [config_get(config, k) for k in self.kv_cache_width]
+        return sum(parts) if all(isinstance(p, int) and p > 0 for p in parts) else None
 
     def to_dict(self) -> dict:
         """A JSON-able form (saved with a calibrated checkpoint); `from_dict` reads it back.

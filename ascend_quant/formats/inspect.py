@@ -117,7 +117,7 @@ def moe_layers(ckpt: Checkpoint) -> list[dict]:
 
 
 def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
-    """Tokens of KV cache per GiB (K + V of every layer; block rounding ignored): as stored by
+    """Tokens of KV cache per GiB (K + V of every layer, MLA's latent; block rounding ignored): as stored by
     this checkpoint (int8 on C8 layers) and in the float dtype. None without a usable config."""
     layers, geometry = text_config(ckpt.config).get("num_hidden_layers"), kv_geometry(ckpt.config)
     if not isinstance(layers, int) or layers <= 0 or geometry is None:
@@ -127,7 +127,9 @@ def kv_tokens_per_gib(ckpt: Checkpoint, fsize: int) -> dict | None:
     c8 = sum(1 for k, v in ckpt.description.items()
              if is_kv(v) and spec.kv_cache_parent(k) is not None)
     c8 = min(c8, layers)
-    per_layer = 2 * kv_heads * head_dim
+    per_layer = spec.kv_values_per_token(ckpt.config, kv_heads, head_dim)
+    if per_layer is None:
+        return None
     stored = per_layer * (c8 * 1 + (layers - c8) * fsize)
     return {"stored": (1 << 30) // stored, "float": (1 << 30) // (per_layer * layers * fsize), "c8_layers": c8}
 
