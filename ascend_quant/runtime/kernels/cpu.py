@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -369,8 +370,7 @@ class CpuGroupedExperts:
         pairs = token.numel()
         if pairs == 0:
             return out.to(x.dtype)
-        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
         ydt = 1 if x.dtype == torch.bfloat16 else 0
         x_q, s_x = self.backend.quantize_dynamic(x)
         token = token.contiguous()

@@ -40,8 +40,10 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     tokens keep their order inside an expert), `token[j]` is the token of pair `order[j]`,
     `counts[e]` how many pairs expert e received."""
     flat = topk_ids.reshape(-1).long()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"expert ids must lie in [0, {num_experts}), got {int(flat.min())}..{int(flat.max())}")
+    if flat.numel():
+        lo, hi = (int(v) for v in torch.aminmax(flat))
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert ids must lie in [0, {num_experts}), got {lo}..{hi}")
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     return order, order // topk_ids.shape[-1], counts
