@@ -377,3 +377,38 @@ def test_npu_grouped_chain_matches_the_formula_through_the_emulation():
     # gate/up, wrong group boundaries or scale axis) is off by far more
     err = (y.float() - expected).abs().max() / expected.abs().max()
     assert err < 2e-2, err
+
+
+def test_npu_backend_groups_w8a8_dynamic_experts_for_the_vllm_method():
+    """What the vLLM method does on Ascend: the npu backend turns a layer's prepared
+    W8A8_DYNAMIC experts into the grouped chain above (one grouped matmul per projection),
+    which `routed_experts` runs, equal to that chain on the stacked weights and close to the
+    expert-by-expert npu ops; NZ weights and weight-only experts stay expert by expert."""
+    from ascend_quant.runtime.kernels import npu_emulation
+    from ascend_quant.runtime.kernels.moe import NpuInt8Experts, npu_int8_experts, prepare_npu_int8_experts
+    from ascend_quant.runtime.kernels.npu import NpuBackend
+
+    e, h, i, t = 4, 64, 32, 9
+    stored = _random_experts("W8A8_DYNAMIC", e, h, i, seed=4)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    topk_ids = torch.stack([torch.randperm(e - 1, generator=g)[:2] for _ in range(t)])        # expert 3 idle
+    topk_weights = torch.softmax(torch.randn(t, 2, generator=g), -1)
+    build = lambda b, scheme="W8A8_DYNAMIC", st=stored: [  # noqa: E731
+        (PreparedLinear.build(scheme, a, backend=b, dtype=torch.bfloat16),
+         PreparedLinear.build(scheme, c, backend=b, dtype=torch.bfloat16)) for a, c in st]
+    stack = lambda j, key: torch.stack([p[j][key] for p in stored])  # noqa: E731
+    with npu_emulation.installed():
+        npu = NpuBackend()
+        grouped = npu.group_experts(build(npu), torch.bfloat16)
+        assert isinstance(grouped, NpuInt8Experts) and len(grouped) == e
+        got = routed_experts(x, topk_weights, topk_ids, grouped)
+        chain = npu_int8_experts(x, topk_weights, topk_ids,
+                                 prepare_npu_int8_experts(stack(0, "weight"), stack(0, "weight_scale"),
+                                                          stack(1, "weight"), stack(1, "weight_scale")))
+        loop = routed_experts(x, topk_weights, topk_ids, build(npu))
+        assert NpuBackend(nz=True).group_experts(build(NpuBackend(nz=True)), torch.bfloat16) is None
+        w8a16 = _random_experts("W8A16", e, h, i, seed=4)
+        assert npu.group_experts(build(npu, "W8A16", w8a16), torch.bfloat16) is None
+    assert got.dtype == torch.bfloat16 and torch.equal(got, chain)
+    assert ((got.float() - loop.float()).abs().max() / loop.float().abs().max()) < 2e-2

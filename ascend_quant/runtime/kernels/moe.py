@@ -23,8 +23,9 @@ in one grouped matmul per projection, on the tokens sorted by expert:
     y = npu_int8_experts(x, topk_weights, topk_ids, w)
 
 `npu_dynamic_quant` -> `npu_grouped_matmul` (per-token and per-channel scales, bf16 out) ->
-`npu_swiglu` -> `npu_dynamic_quant` -> `npu_grouped_matmul` -> weighted combine. On a CPU the
-tests run it through `npu_emulation`.
+`npu_swiglu` -> `npu_dynamic_quant` -> `npu_grouped_matmul` -> weighted combine. The npu
+backend's `group_experts` stacks a layer's W8A8_DYNAMIC experts into this form, so the vLLM
+method runs it; on a CPU the tests run it through `npu_emulation`.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ class NpuInt8Experts:
     s13: torch.Tensor       # [E, 2I], float32 or bf16
     w2: torch.Tensor        # int8 [E, I, H]
     s2: torch.Tensor        # [E, H]
+    out_dtype: torch.dtype = torch.bfloat16
+
+    def __len__(self) -> int:
+        return self.w13.shape[0]
+
+    def run_grouped(self, x, weight, token, counts):
+        """`routed_experts` of a layer the npu backend grouped (`NpuBackend.group_experts`)."""
+        return npu_int8_experts_sorted(x, weight, token, counts, self, self.out_dtype)
 
 
 def prepare_npu_int8_experts(w13_q: torch.Tensor, s13: torch.Tensor, w2_q: torch.Tensor, s2: torch.Tensor,
@@ -104,20 +113,27 @@ def prepare_npu_int8_experts(w13_q: torch.Tensor, s13: torch.Tensor, w2_q: torch
 def npu_int8_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: NpuInt8Experts,
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`routed_experts` for W8A8_DYNAMIC experts with the torch_npu grouped ops (see above)."""
+    order, token, counts = group_by_expert(topk_ids, w.w13.shape[0])
+    return npu_int8_experts_sorted(x, topk_weights.reshape(-1)[order].float(), token, counts, w, out_dtype)
+
+
+def npu_int8_experts_sorted(x: torch.Tensor, weight: torch.Tensor, token: torch.Tensor, counts: list[int],
+                            w: NpuInt8Experts, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`npu_int8_experts` on pairs already sorted by expert: `token[j]` and `weight[j]` (float)
+    of pair j, `counts[e]` pairs per expert (what `group_by_expert` gives)."""
     from ascend_quant.runtime.kernels.npu import _torch_npu
 
     npu = _torch_npu()
-    order, token, counts = group_by_expert(topk_ids, w.w13.shape[0])
     group_list = torch.tensor(counts, dtype=torch.int64, device=x.device)
     gmm = dict(split_item=2, group_type=0, group_list_type=1, group_list=group_list, output_dtype=out_dtype)
     x_q, s_x = npu.npu_dynamic_quant(x[token])
     h = npu.npu_grouped_matmul([x_q], [w.w13], scale=[w.s13], per_token_scale=[s_x.reshape(-1)], **gmm)[0]
     a_q, s_a = npu.npu_dynamic_quant(npu.npu_swiglu(h))
     y = npu.npu_grouped_matmul([a_q], [w.w2], scale=[w.s2], per_token_scale=[s_a.reshape(-1)], **gmm)[0]
-    weight = topk_weights.reshape(-1)[order].float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, token, y.float() * weight[:, None])
     return out.to(x.dtype)
 
 
-__all__ = ["group_by_expert", "routed_experts", "NpuInt8Experts", "prepare_npu_int8_experts", "npu_int8_experts"]
+__all__ = ["group_by_expert", "routed_experts", "NpuInt8Experts", "prepare_npu_int8_experts", "npu_int8_experts",
+           "npu_int8_experts_sorted"]

@@ -92,6 +92,24 @@ class NpuBackend:
                                      bias=None if bias is None else bias.to(scale.dtype), output_dtype=out_dtype)
         return y.reshape(*lead, -1)
 
+    # ---------------------------------------------------------------- routed experts
+    def group_experts(self, experts, dtype: torch.dtype):
+        """W8A8_DYNAMIC experts (int8 weights, per-token int8 activations) as one
+        `kernels.moe.NpuInt8Experts`: the grouped-matmul chain (moe.md §2) instead of two
+        matmuls per expert. None (expert by expert) for other experts, or with FRACTAL_NZ
+        weights, which cannot be stacked once cast."""
+        from ascend_quant.runtime.kernels.moe import NpuInt8Experts
+
+        linears = [lin for pair in experts for lin in pair]
+        if self.nz or not linears or not all(
+                lin.scheme.activation_mode == "dynamic" and lin.scheme.weight_bits == 8
+                and isinstance(lin.prepared, NpuInt8Weight) for lin in linears):
+            return None
+        stack = lambda key, j: torch.stack([getattr(pair[j].prepared, key) for pair in experts])  # noqa: E731
+        scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        return NpuInt8Experts(stack("weight_t", 0), stack("scale", 0).to(scale_dtype), stack("weight_t", 1),
+                              stack("scale", 1).to(scale_dtype), out_dtype=dtype)
+
     # ---------------------------------------------------------------- weight-only
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.bfloat16):
         n, k = weight.shape
