@@ -176,6 +176,7 @@ class MixedModel:
 
     def __init__(self, model: nn.Module, candidates: list[Candidate]):
         self.model = model
+        self.attention = model.config._attn_implementation     # without any C8 simulation
         self.switches: dict[str, Switch] = {}
         for c in candidates:
             for name in c.linears:
@@ -184,9 +185,21 @@ class MixedModel:
                 setattr(model.get_submodule(parent), leaf, switch)
                 self.switches[name] = switch
 
-    def use(self, forms: dict[str, Form | None]) -> None:
+    def use(self, forms: dict[str, Form | None], kv_scales: dict | None = None, spec: ArchSpec | None = None) -> None:
+        """Each candidate Linear's form (missing: float); with `kv_scales`, that calibration's C8
+        scales fake-quantize K and V (the reference model's simulation), replacing earlier ones."""
         for name, switch in self.switches.items():
             switch.form = forms.get(name)
+        if kv_scales:
+            from ascend_quant.runtime.reference_model import enable_c8_simulation
+            from ascend_quant.schemes import kv_entries
+
+            named = {}
+            for layer_prefix, scales in kv_scales.items():
+                for proj, scale in zip(spec.kv_projections, scales):
+                    named.update({n: t for n, (t, _) in kv_entries(f"{layer_prefix}.{proj}", scale).items()})
+            self.model.set_attn_implementation(self.attention)
+            enable_c8_simulation(self.model, named, spec)
 
     @torch.inference_mode()
     def nll(self, held: Samples, batch: int = 2) -> float:
@@ -244,8 +257,6 @@ def select(recipe: Recipe, budget: Budget, spec: ArchSpec, held: Samples, model_
     if not cands:
         raise CalibrationError("the recipe quantizes no Linear: nothing for --max-ppl-increase to choose")
     mixed = MixedModel(model, cands)
-    if first.kv_scales:
-        _c8(model, first.kv_scales, spec)
     a = forms_of(first, spec, config, model_dtype)
     b: dict[str, Form] = {}
     if not is_float(fallback):
@@ -253,7 +264,7 @@ def select(recipe: Recipe, budget: Budget, spec: ArchSpec, held: Samples, model_
         b = forms_of(calibrate_on(with_fallback(recipe, cands, fallback)), spec, config, model_dtype)
     mixed.use({})
     float_nll = mixed.nll(held)
-    mixed.use(a)
+    mixed.use(a, first.kv_scales, spec)      # C8, where the recipe has it, from here on
     acc = {c.linears: [0.0, 0.0] for c in cands}
     for c in cands:
         for n in c.linears:
@@ -300,7 +311,7 @@ def select(recipe: Recipe, budget: Budget, spec: ArchSpec, held: Samples, model_
             final_recipe = with_fallback(recipe, ranked[:k], fallback)
             final = calibrate_on(final_recipe)
             runs += 1
-        mixed.use(forms_of(final, spec, config, model_dtype))
+        mixed.use(forms_of(final, spec, config, model_dtype), final.kv_scales, spec)
         after_nll = mixed.nll(held)
         after = _increase(after_nll, float_nll)
         log(f"calibrated with {k} group(s) in {fallback}: {after:+.2f}%")
@@ -327,18 +338,6 @@ def select(recipe: Recipe, budget: Budget, spec: ArchSpec, held: Samples, model_
                   "sensitivity": sensitivity[c.linears], "params": c.params} for c in ranked[:k]],
     }
     return final_recipe, final, report
-
-
-def _c8(model: nn.Module, kv_scales: dict, spec: ArchSpec) -> None:
-    """The calibration's C8 scales on the mixed model's attention (the reference model's simulation)."""
-    from ascend_quant.runtime.reference_model import enable_c8_simulation
-    from ascend_quant.schemes import kv_entries
-
-    named = {}
-    for layer_prefix, scales in kv_scales.items():
-        for proj, scale in zip(spec.kv_projections, scales):
-            named.update({n: t for n, (t, _) in kv_entries(f"{layer_prefix}.{proj}", scale).items()})
-    enable_c8_simulation(model, named, spec)
 
 
 def format_report(report: dict) -> str:
