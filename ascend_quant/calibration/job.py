@@ -126,6 +126,7 @@ class CalibrationResult:
     seq_len: int
     reports: list[LayerReport]
     spec: ArchSpec | None = None                  # the architecture spec used (discovered: notes say how)
+    budget: dict | None = None                    # the quality budget's report (calibration/budget.py)
 
 
 @dataclass
@@ -186,10 +187,13 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
               num_samples: int = 128, seq_len: int = 512, seed: int = 0, device: str = "cpu",
               chat_template: bool = False, packing: bool = True, show_progress: bool = True,
               overwrite: bool = False,
-              extra_files: dict[str, str] | None = None) -> CalibrationResult:
+              extra_files: dict[str, str] | None = None, budget=None,
+              log=None) -> CalibrationResult:
     """The whole job: load, sample, quantize layer by layer, write the checkpoint atomically
-    (the model card is the CLI's: `hub.write_card`)."""
-    from ascend_quant.calibration.data import load_texts, tokenize_samples
+    (the model card is the CLI's: `hub.write_card`). With a `budget` (calibration/budget.py)
+    a quarter of the samples is held out and the fewest Linear groups that meet it on them
+    are calibrated in the fallback scheme; `log` takes its progress lines."""
+    from ascend_quant.calibration.data import Samples, load_texts, tokenize_samples
     from ascend_quant.formats.ascend import write_checkpoint
 
     out = Path(out)
@@ -202,6 +206,10 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     loaded = load_model(model_id, device, stream=rotation is None)
     tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
     spec = spec_for_model(model)      # fail early on an unsupported architecture
+    if budget is not None:            # and on a budget it cannot meet by construction
+        from ascend_quant.calibration import budget as budgets
+        budgets.fallback_for(recipe, budget)
+        budgets.check_supported(recipe, spec)
     # layers stored after the model's own (MTP): copied as they are (refused now if quantized)
     source_files = loaded.stream.files if loaded.stream is not None else _weight_files(local)
     extra = extra_layer_tensors(model, source_files, source_dtype) if source_files else {}
@@ -214,25 +222,46 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         recipe.kv_cache is not None and recipe.kv_cache.method == "msmodelslim")
     samples, valid, position_ids = tokenize_samples(texts, tokenizer, num_samples, seq_len, seed, chat_template,
                                                     packing, share_rows=not per_sample)
+    budget_report = None
+    if budget is not None:
+        calib, held = budgets.split_rows(Samples(samples, valid, position_ids))
+        samples, valid, position_ids = calib
     n_samples = int(((position_ids == 0) & valid).sum())
-    bar = None
-    if show_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(spec.layers(model)), desc="calibrating", unit="layer")
+    num_layers = len(spec.layers(model))
 
-    def progress(report: LayerReport) -> None:
-        if bar is not None:
-            worst = max(report.errors.values(), default=0.0)
-            bar.set_postfix_str(f"layer {report.index} worst rel. error {worst:.4f}")
-            bar.update(1)
+    def quantize(ld: LoadedModel, rec: Recipe):
+        bar = None
+        if show_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=num_layers, desc="calibrating", unit="layer")
 
-    try:
-        results, kv_scales, reports = quantize_model(model, samples.to(device), recipe, progress, valid,
-                                                     release_weights=True, position_ids=position_ids.to(device),
-                                                     stream=loaded.stream)
-    finally:
-        if bar is not None:
-            bar.close()
+        def progress(report: LayerReport) -> None:
+            if bar is not None:
+                worst = max(report.errors.values(), default=0.0)
+                bar.set_postfix_str(f"layer {report.index} worst rel. error {worst:.4f}")
+                bar.update(1)
+        try:
+            return quantize_model(ld.model, samples.to(device), rec, progress, valid, release_weights=True,
+                                  position_ids=position_ids.to(device), stream=ld.stream)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    if budget is None:
+        results, kv_scales, reports = quantize(loaded, recipe)
+    else:
+        unused = [loaded]
+
+        def calibrate_on(rec: Recipe):
+            ld = unused.pop() if unused else load_model(model_id, device)
+            return budgets.Run(ld, *quantize(ld, rec))
+
+        recipe, run, budget_report = budgets.select(
+            recipe, budget, spec, Samples(held.ids.to(device), held.valid.to(device), held.position_ids.to(device)),
+            source_dtype, calibrate_on, lambda: load_model(model_id, device, stream=False).model,
+            log or (lambda line: None))
+        loaded, results, kv_scales, reports = run.loaded, run.results, run.kv_scales, run.reports
+        model = loaded.model
     tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
     tensors.update(extra)
     types.update({n: FLOAT.name for n in extra})
@@ -252,6 +281,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
              "ascend_quant_calibration.json": json.dumps(
                  {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
                   **({"rotation": rotated} if rotated is not None else {}),
+                  **({"budget": budget_report} if budget_report is not None else {}),
                   "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                               "errors": r.errors, "smoothquant_alphas": r.alphas,
                               **({"awq_alphas": r.awq_alphas} if r.awq_alphas else {}),
@@ -270,7 +300,24 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             return source_files.read([name], dtype)[name]                  # an extra layer's, as stored
     write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                      metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
-    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports, spec)
+    if budget_report is not None:     # the size, as `inspect` prices it, into the calibration record
+        _record_size(out, budget_report)
+    return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports, spec, budget_report)
+
+
+def _record_size(out: Path, report: dict) -> None:
+    from ascend_quant.formats.ascend import read_checkpoint
+    from ascend_quant.formats.inspect import summarize
+
+    summary = summarize(read_checkpoint(out))
+    report["size"] = {**{k: summary["totals"][k] for k in ("bytes", "float_bytes", "ratio")},
+                      "float_dtype": summary["float_dtype"]}
+    path = out / "ascend_quant_calibration.json"
+    record = read_json(path)
+    record["budget"] = report
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(path)
 
 
 def _weight_files(folder: Path):

@@ -54,6 +54,9 @@ class LayerReport:
     clip_ratios: dict[str, float] = field(default_factory=dict)     # linear -> mean AWQ clip ratio
     expert_tokens: dict[str, int] = field(default_factory=dict)     # MoE: expert -> real routed tokens
     fallbacks: dict[str, int] = field(default_factory=dict)         # experts given min-max weights -> tokens
+    # smoothed or AWQ-scaled dense group -> its factor s (input channels), for the quality
+    # budget's mixed-model simulation (calibration/budget.py); not written to the report
+    factors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- hooks
@@ -85,6 +88,7 @@ class _GroupHook:
         self.alpha: float | None = None            # the smoothing applied (None: none)
         self.smoothed = False
         self.awq = False                           # scaled by AWQ's search (alpha: its choice)
+        self.factor: torch.Tensor | None = None    # the s folded into the producer (None: none)
         self.touched: set[str] = set()             # modules (layer-relative) whose weights changed
         self.tokens: int | None = None             # an expert's real tokens (None: never reached)
         self.fallback = False                      # an expert given min-max weights (too few tokens)
@@ -173,6 +177,7 @@ class _GroupHook:
         elif self.smoothed:
             self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
         if s is not None:
+            self.factor = s.detach().clone()
             rows = group.producer_rows(producer.weight.shape[0])      # all, or gate_up_proj's up half
             apply_smoothing(producer, list(self.modules.values()), s, group.producer_kind, rows)
             self.touched.update([group.producer, *self.modules])
@@ -426,6 +431,8 @@ def _layer_report(index: int, seconds: float, groups: list[_GroupHook], results:
                                                  and gq.group.linears[0].startswith(spec.moe.block + "."))
             key = f"{gq.group.linears[0].rpartition('.')[0]}.{gq.group.name}" if moe_group else gq.group.name
             (report.awq_alphas if gq.awq else report.alphas)[key] = gq.alpha
+        if gq.factor is not None and experts is None:
+            report.factors[gq.group.name] = gq.factor
     if experts is not None:
         base = spec.moe.experts_path
         report.expert_tokens = {f"{base}.{e}": n for e, n in sorted(experts.counts.items())}

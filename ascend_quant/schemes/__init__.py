@@ -57,6 +57,18 @@ def matching(weight_bits: int, activation_mode: str) -> Scheme | None:
                  if s.linear and s.weight_bits == weight_bits and s.activation_mode == activation_mode), None)
 
 
+def more_precise(fallback: str, scheme: str) -> bool:
+    """Whether `fallback` keeps more of a Linear than `scheme`: more weight bits, or as many
+    and more activation bits (float counts as more than any; W8A8_DYNAMIC beats W4A16, whose
+    int4 weights lose far more than per-token int8 activations do; FLOAT beats everything)."""
+    a, b = SCHEMES[fallback], SCHEMES[scheme]
+    if not (a.linear or a.name == FLOAT.name):
+        return False
+    def bits(x):
+        return float("inf") if x is None else x
+    return (bits(a.weight_bits), bits(a.activation_bits)) > (bits(b.weight_bits), bits(b.activation_bits))
+
+
 def checkpoint_entries(ql: QuantizedLinear, prefix: str, model_dtype) -> dict[str, tuple]:
     """Every checkpoint tensor of one quantized Linear: name -> (tensor, description type);
     its float bias, if any, is FLOAT (static W8A8 also folds it into quant_bias)."""
@@ -75,4 +87,4 @@ def kv_entries(prefix: str, scale) -> dict[str, tuple]:
 __all__ = ["Scheme", "TensorSpec", "QuantizedLinear", "PreparedLinear", "WeightOnlyScheme", "SchemeError",
            "PARAM_KINDS", "SCHEMES", "CLI_NAMES", "LINEAR_SCHEMES", "KV_SUFFIXES", "W4A8_GROUP_TENSORS",
            "W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC", "C8", "FLOAT",
-           "get_scheme", "matching", "is_float", "is_kv", "is_linear", "checkpoint_entries", "kv_entries"]
+           "get_scheme", "matching", "more_precise", "is_float", "is_kv", "is_linear", "checkpoint_entries", "kv_entries"]

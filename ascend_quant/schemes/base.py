@@ -139,6 +139,10 @@ class Scheme:
     # the calibration recipe we recommend, as recipe-file keys (calibration/recipe.py builds
     # it; `group_size` defaults to `default_group_size`); the measurements are beside each
     preset: dict = {}
+    # the higher-precision scheme a Linear group keeps under a quality budget (`calibrate
+    # --max-ppl-increase`): W8A8_DYNAMIC for the 4-bit schemes (what msModelSlim's W4A8 and
+    # W4A4 recipes fall back to), FLOAT for the 8-bit ones; "" where there is none
+    fallback: str = ""
 
     def __repr__(self) -> str:
         return f"<scheme {self.name}>"

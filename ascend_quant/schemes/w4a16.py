@@ -13,6 +13,7 @@ from ascend_quant.schemes.base import WeightOnlyScheme
 class W4A16(WeightOnlyScheme):
     name = "W4A16"
     cli_name = "w4a16"
+    fallback = "W8A8_DYNAMIC"
     weight_bits = 4
     weight_granularity = "group"
     default_group_size = 64

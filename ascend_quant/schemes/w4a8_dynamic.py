@@ -19,6 +19,7 @@ SECOND_STAGE = ("weight_scale_second", "weight_offset_second")
 class W4A8Dynamic(Scheme):
     name = "W4A8_DYNAMIC"
     cli_name = "w4a8"
+    fallback = "W8A8_DYNAMIC"
     linear = True
     weight_bits = 4
     weight_granularity = "channel"

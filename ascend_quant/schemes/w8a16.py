@@ -11,6 +11,7 @@ from ascend_quant.schemes.base import WeightOnlyScheme
 class W8A16(WeightOnlyScheme):
     name = "W8A16"
     cli_name = "w8a16"
+    fallback = "FLOAT"
     weight_bits = 8
     weight_granularity = "channel"
     scale_dtypes = (torch.float32, torch.bfloat16)

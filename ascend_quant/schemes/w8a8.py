@@ -44,6 +44,7 @@ def recover_weight_scale(deq: torch.Tensor, input_scale: torch.Tensor, stored: t
 class W8A8(Scheme):
     name = "W8A8"
     cli_name = "w8a8"
+    fallback = "FLOAT"
     linear = True
     weight_bits = 8
     weight_granularity = "channel"

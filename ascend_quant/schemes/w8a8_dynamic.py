@@ -14,6 +14,7 @@ _SCALE_DTYPES = (torch.float32, torch.bfloat16)
 class W8A8Dynamic(Scheme):
     name = "W8A8_DYNAMIC"
     cli_name = "w8a8-dynamic"
+    fallback = "FLOAT"
     linear = True
     weight_bits = 8
     weight_granularity = "channel"
