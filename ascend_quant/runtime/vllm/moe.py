@@ -16,6 +16,14 @@ scheme's `prepare` on the kernel backend (which may group them into one kernel o
 `kernels.moe.routed_experts` through the one custom op `ascend_quant::moe` (runtime.vllm.ops),
 so compiled mode traces around it.
 
+Grouped top-k routing (DeepSeek's `use_grouped_topk`, with `e_score_correction_bias`) runs
+inside our op instead (`ascend_quant::moe_routed`, the method reports itself monolithic and
+gets the router logits): in vLLM 0.32's compiled mode on the CPU the traced routing of a
+DeepSeek-V3 layer (sigmoid scores) picked other experts than in eager mode whenever our
+Linears were in the graph, and was right once the logits reached it through an opaque op.
+The routing itself is vLLM's (`cpu_router.select_experts`, as vLLM's own monolithic CPU experts
+use), on the layer's routing settings.
+
 Not served: static-activation (W8A8) experts, whose one input scale per expert has no
 vLLM parameter kind here (vllm-ascend 0.23 refuses them too); expert parallelism; activations
 other than SiLU-gated; router weights applied on the input.
@@ -48,13 +56,19 @@ def expert_names(layer) -> tuple[str, str, str]:
 class AscendQuantMoEMethod(FusedMoEMethodBase):
     """Routed experts of one quantized-Linear scheme, served by that scheme's kernels."""
 
-    def __init__(self, config, scheme: str, prefix: str, moe_config, names: tuple[str, str, str]):
+    def __init__(self, config, scheme: str, prefix: str, moe_config, names: tuple[str, str, str],
+                 route_inside: bool = False):
         super().__init__(moe_config)
         self.config = config
         self.scheme = scheme
         self.prefix = prefix
         self.names = names          # gate, up, down
         self.specs: dict[str, dict] = {}
+        self.route_inside = route_inside
+
+    @property
+    def is_monolithic(self) -> bool:
+        return self.route_inside
 
     # ------------------------------------------------------------------ declare
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
@@ -172,3 +186,18 @@ class AscendQuantMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         return torch.ops.ascend_quant.moe(x, topk_weights, topk_ids, layer.ascend_op_key)
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        return torch.ops.ascend_quant.moe_routed(x, router_logits, layer.ascend_op_key)
+
+
+def select_experts(layer, x: torch.Tensor, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU routing on the routing settings of `layer` (a RoutedExperts): top-k weights
+    (already scaled by the router's routed_scaling_factor) and expert ids."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import select_experts as vllm_select
+
+    return vllm_select(x, router_logits, layer.top_k, layer.use_grouped_topk, layer.renormalize,
+                       topk_group=layer.topk_group, num_expert_group=layer.num_expert_group,
+                       custom_routing_function=layer.custom_routing_function, scoring_func=layer.scoring_func,
+                       routed_scaling_factor=layer.routed_scaling_factor,
+                       e_score_correction_bias=layer.e_score_correction_bias)

@@ -15,6 +15,7 @@ compile cache).
 
     y = torch.ops.ascend_quant.linear(x, bias, layer_name, out_features)
     y = torch.ops.ascend_quant.moe(x, topk_weights, topk_ids, layer_name)   # routed experts
+    y = torch.ops.ascend_quant.moe_routed(x, router_logits, layer_name)     # routing inside too
 """
 
 from __future__ import annotations
@@ -69,4 +70,20 @@ def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, lay
 
 @moe.register_fake
 def _moe_fake(x, topk_weights, topk_ids, layer_name):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("ascend_quant::moe_routed", mutates_args=())
+def moe_routed(x: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """`moe` with the routing done here, from the router logits (runtime.vllm.moe.select_experts)."""
+    from ascend_quant.runtime.kernels.moe import routed_experts
+    from ascend_quant.runtime.vllm.moe import select_experts
+
+    layer = _layer(layer_name)
+    topk_weights, topk_ids = select_experts(layer, x, router_logits)
+    return routed_experts(x, topk_weights, topk_ids, layer.ascend_experts)
+
+
+@moe_routed.register_fake
+def _moe_routed_fake(x, router_logits, layer_name):
     return torch.empty_like(x)
