@@ -23,6 +23,7 @@ Targets (issue 15): expert weights <= 0.55x (8-bit) and <= 0.3x (4-bit) of bf16;
 
     nice -n 19 python benchmarks/moe_runtime.py --threads 2 --out benchmarks/results/moe_runtime
     -> moe_runtime.json, moe_runtime.md
+    ... --phases calibration --out /tmp/moe_calibration     # the calibration rows alone (no vLLM)
     python benchmarks/moe_runtime.py --render benchmarks/results/moe_runtime.json    # the .md again
 """
 
@@ -227,6 +228,9 @@ def run(args) -> dict:
     calibration = {s: calibrate(moe, work / f"moe{args.experts}-{s}", s, args.threads, args.num_samples)
                    for s in SCHEMES}
 
+    if args.phases == "calibration":        # the calibration rows alone
+        return {**_header(args, load_start, sizes, import_floor),
+                "engines": {f"ascend {s}": {"scheme": s, **calibration[s]} for s in SCHEMES}}
     plan = {"bf16": (moe, None, "bfloat16"),
             **{f"ascend {s}": (work / f"moe{args.experts}-{s}", "ascend", "bfloat16") for s in SCHEMES}}
     # the same W8A8_DYNAMIC checkpoint expert by expert (the path of CPUs without VNNI), beside the grouped kernel
@@ -255,6 +259,12 @@ def run(args) -> dict:
             row["met"] = {"memory": row["expert_memory_vs_base"] <= row["target_memory"],
                           "prefill": row["prefill_vs_base"] >= TARGET_PREFILL,
                           "decode": row["decode_vs_base"] is not None and row["decode_vs_base"] >= TARGET_DECODE}
+    return {**_header(args, load_start, sizes, import_floor),
+            "baseline": baseline, "bf16_error": engines["bf16"].get("error"), "engines": engines}
+
+
+def _header(args, load_start, sizes: dict, import_floor: dict) -> dict:
+    """What a run's JSON says besides the engines: command, machine, settings, model sizes, floor."""
     root = str(Path(__file__).resolve().parent.parent)
     n_pre, len_pre = args.prefill.split("x")
     n_dec, len_dec, gen = args.decode.split("x")
@@ -265,14 +275,13 @@ def run(args) -> dict:
             "experts": args.experts, "num_samples": args.num_samples,
             "prefill": {"prompts": int(n_pre), "tokens": int(len_pre)},
             "decode": {"sequences": int(n_dec), "prompt_tokens": int(len_dec), "generated": int(gen)},
-            "baseline": baseline, "bf16_error": engines["bf16"].get("error"), "float_checkpoint": sizes,
-            "import_rss_bytes": import_floor["peak_rss_bytes"], "import_anon_rss_bytes": import_floor["peak_anon_rss_bytes"],
-            "engines": engines}
+            "float_checkpoint": sizes, "import_rss_bytes": import_floor["peak_rss_bytes"],
+            "import_anon_rss_bytes": import_floor["peak_anon_rss_bytes"]}
 
 
 def markdown(d: dict) -> str:
     mib = 2 ** 20
-    base, p, dec, f = d["baseline"], d["prefill"], d["decode"], d["float_checkpoint"]
+    base, p, dec, f = d.get("baseline", "bf16"), d["prefill"], d["decode"], d["float_checkpoint"]
     nice = f"`nice -n {d['niceness']}`, " if d["niceness"] else ""
     lines = [f"# MoE in vLLM: re-cut SmolLM2-135M ({d['experts']} experts), {d['threads']} thread(s)", "",
              f"`{d['command']}` ({d['created']}; {d['cpu']}; {nice}{d['cpus']} CPUs shared with other "
@@ -300,6 +309,10 @@ def markdown(d: dict) -> str:
     for name, r in d["engines"].items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error']} | | | | | | | | |")
+            continue
+        if "expert_bytes" not in r:         # a calibration-only run (--phases calibration)
+            lines.append(f"| {name} | | | | | | | {r['wall_s']:.0f} | {r['peak_rss_bytes'] / mib:.0f} | "
+                         f"{r['peak_anon_rss_bytes'] / mib:.0f} |")
             continue
         mem, pre, dcd = (f"{r[k]:.3f}x" if r.get(k) is not None else "-"
                          for k in ("expert_memory_vs_base", "prefill_vs_base", "decode_vs_base"))
@@ -340,6 +353,8 @@ def main(argv=None) -> int:
                     help="folder for the re-cut model and the checkpoints")
     ap.add_argument("--out", default="benchmarks/results/moe_runtime", help="output path without extension")
     ap.add_argument("--render", metavar="JSON", default=None, help="only write the markdown of an earlier run's JSON")
+    ap.add_argument("--phases", choices=["all", "calibration"], default="all",
+                    help="all (default), or calibration alone: the checkpoints' time and memory, no vLLM")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_engine"]:
         return engine_child(argv[1:])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -22,22 +23,64 @@ from ascend_quant.calibration.runner import LayerReport, quantize_model
 from ascend_quant.schemes import FLOAT, SCHEMES, QuantizedLinear, checkpoint_entries, kv_entries
 
 
+class LayerSpill:
+    """The quantized Linears of each finished layer, packed into their checkpoint tensors and
+    written to a safetensors file of their own in `folder` (a temporary folder beside the
+    output) as soon as the layer is done, so calibration never holds every layer's
+    quantized weights at once. `quantize_model` calls it per layer; the writer reads the
+    tensors back one at a time (`read`)."""
+
+    def __init__(self, folder: Path, spec: ArchSpec, model_dtype: torch.dtype):
+        self.folder, self.spec, self.model_dtype = Path(folder), spec, model_dtype
+        self.schemes: dict[str, str] = {}                        # module name -> scheme, in calibration order
+        self.entries: dict[str, tuple[torch.Tensor, str]] = {}   # tensor name -> (meta placeholder, type)
+        self.where: dict[str, Path] = {}                         # tensor name -> its file
+        self.files = 0
+
+    def __call__(self, layer_results: dict[str, QuantizedLinear]) -> None:
+        from ascend_quant.formats.ascend import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for prefix, qlin in layer_results.items():
+            self.schemes[prefix] = qlin.scheme
+            for name, (t, kind) in checkpoint_entries(qlin, self.spec.to_disk(prefix), self.model_dtype).items():
+                tensors[name] = t
+                self.entries[name] = (torch.empty(t.shape, dtype=t.dtype, device="meta"), kind)
+        if not tensors:
+            return
+        file = self.folder / f"layer-{self.files:05d}.safetensors"
+        save_file(tensors, str(file))
+        self.files += 1
+        self.where.update(dict.fromkeys(tensors, file))
+
+    def read(self, name: str) -> torch.Tensor:
+        """A spilled tensor, as a copy of its own (no mapping of the file stays open)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[name]), "pt") as f:
+            return f.get_tensor(name).clone()
+
+
 def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
-                       kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]], model_dtype: torch.dtype
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                       kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]], model_dtype: torch.dtype,
+                       spilled: LayerSpill | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of the output checkpoint and its description type. Float tensors still
     on the meta device (released by a streamed calibration, unchanged from the source) come
-    out as meta tensors of the output dtype: the writer's `loader` reads them."""
+    out as meta tensors of the output dtype, and so do the `spilled` layers' tensors: the
+    writer's `loader` reads them."""
     spec = spec_for_model(model)
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
+    for name, (t, kind) in (spilled.entries if spilled is not None else {}).items():
+        tensors[name], types[name] = t, kind
     for prefix, qlin in results.items():
         for name, (t, kind) in checkpoint_entries(qlin, spec.to_disk(prefix), model_dtype).items():
             tensors[name], types[name] = t, kind
+    quantized = set(results) | set(spilled.schemes if spilled is not None else ())
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, param in model.state_dict().items():
         prefix = name.rpartition(".")[0]
-        if prefix in results or (tied and name == "lm_head.weight"):
+        if prefix in quantized or (tied and name == "lm_head.weight"):
             continue
         dtype = float_dtype_of(model, name, model_dtype)
         disk = spec.to_disk(name)        # the router and persistent buffers too (e_score_correction_bias)
@@ -89,21 +132,21 @@ def config_with_quant_method(config: dict, hints: dict[str, str] | None = None) 
     return cfg
 
 
-def moe_hints(model, results: dict[str, QuantizedLinear]) -> dict[str, str]:
+def moe_hints(model, schemes: dict[str, str]) -> dict[str, str]:
     """msModelSlim's config.json hints for a MoE model: `moe_quantize`, the routed experts'
     scheme, `quantize`, the other Linears' most common one, and for MLA `mla_quantize`, the
     scheme of its input group, lower-case (`"w8a8_dynamic"`); nothing for a dense model or
-    float experts."""
+    float experts (`schemes`: each quantized Linear's, by module name)."""
     spec = spec_for_model(model)
     if spec.moe is None:
         return {}
     experts, others, mla = [], [], []
     mla_linears = next((g.linears for g in spec.groups if g.name == spec.mla_group), ())
-    for prefix, qlin in results.items():
+    for prefix, scheme in schemes.items():
         rel = spec.relative(prefix)
-        (experts if rel is not None and spec.moe.expert_of(rel) is not None else others).append(qlin.scheme)
+        (experts if rel is not None and spec.moe.expert_of(rel) is not None else others).append(scheme)
         if rel in mla_linears:
-            mla.append(qlin.scheme)
+            mla.append(scheme)
     if not experts:
         return {}
     hints = {"moe_quantize": Counter(experts).most_common(1)[0][0].lower()}
@@ -222,6 +265,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         recipe.kv_cache is not None and recipe.kv_cache.method == "msmodelslim")
     samples, valid, position_ids = tokenize_samples(texts, tokenizer, num_samples, seq_len, seed, chat_template,
                                                     packing, share_rows=not per_sample)
+    del texts                         # the tokenizer's work is done: let it and the texts go
+    loaded.tokenizer = tokenizer = None
     budget_report = None
     if budget is not None:
         calib, held = budgets.split_rows(Samples(samples, valid, position_ids))
@@ -229,7 +274,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     n_samples = int(((position_ids == 0) & valid).sum())
     num_layers = len(spec.layers(model))
 
-    def quantize(ld: LoadedModel, rec: Recipe):
+    def quantize(ld: LoadedModel, rec: Recipe, spill=None):
         bar = None
         if show_progress:
             from tqdm import tqdm
@@ -242,64 +287,72 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
                 bar.update(1)
         try:
             return quantize_model(ld.model, samples.to(device), rec, progress, valid, release_weights=True,
-                                  position_ids=position_ids.to(device), stream=ld.stream)
+                                  position_ids=position_ids.to(device), stream=ld.stream, spill=spill)
         finally:
             if bar is not None:
                 bar.close()
 
-    if budget is None:
-        results, kv_scales, reports = quantize(loaded, recipe)
-    else:
-        unused = [loaded]
+    # each finished layer's quantized tensors wait on disk, beside the output, until it is written
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.spill-", dir=out.parent) as spill_dir:
+        spilled = None
+        if budget is None:
+            spilled = LayerSpill(Path(spill_dir), spec, source_dtype)
+            results, kv_scales, reports = quantize(loaded, recipe, spilled)
+        else:
+            # no spill: the budget's mixed model reads every calibration's quantized Linears
+            unused = [loaded]
 
-        def calibrate_on(rec: Recipe):
-            ld = unused.pop() if unused else load_model(model_id, device)
-            return budgets.Run(ld, *quantize(ld, rec))
+            def calibrate_on(rec: Recipe):
+                ld = unused.pop() if unused else load_model(model_id, device)
+                return budgets.Run(ld, *quantize(ld, rec))
 
-        recipe, run, budget_report = budgets.select(
-            recipe, budget, spec, Samples(held.ids.to(device), held.valid.to(device), held.position_ids.to(device)),
-            source_dtype, calibrate_on, lambda: load_model(model_id, device, stream=False).model,
-            log or (lambda line: None))
-        loaded, results, kv_scales, reports = run.loaded, run.results, run.kv_scales, run.reports
-        model = loaded.model
-    tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype)
-    tensors.update(extra)
-    types.update({n: FLOAT.name for n in extra})
-    config = config_with_quant_method(read_json(local / "config.json"), moe_hints(model, results))
-    if spec.discovered:               # the checkpoint tools and vLLM read it back (spec_for_config)
-        config[SAVED_SPEC_KEY] = spec.to_dict()
-    if spec.variant is not None:      # the key the spec was chosen by, where the source's config omits it
-        inner = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-        inner.setdefault(spec.variant[0], config_get(model.config, spec.variant[0]))
-    if rotated is not None:           # lm_head has its own (rotated) weight now
-        untie_config(config)
-    base_model, license_ = source_identity(model_id, local)
-    meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
-            "num_samples": n_samples, "seq_len": int(seq_len),
-            "dataset": _dataset_name(dataset), "seed": seed}
-    files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
-             "ascend_quant_calibration.json": json.dumps(
-                 {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
-                  **({"rotation": rotated} if rotated is not None else {}),
-                  **({"budget": budget_report} if budget_report is not None else {}),
-                  "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
-                              "errors": r.errors, "smoothquant_alphas": r.alphas,
-                              **({"awq_alphas": r.awq_alphas} if r.awq_alphas else {}),
-                              **({"clip_ratios": r.clip_ratios} if r.clip_ratios else {}),
-                              **({"expert_tokens": r.expert_tokens, "expert_fallbacks": r.fallbacks}
-                                 if r.expert_tokens else {})} for r in reports]}, indent=2)}
-    files.update(extra_files or {})
-    group_size = group_size_for(recipe, results)
-    loader = None
-    if loaded.stream is not None or extra:
-        def loader(name: str) -> torch.Tensor:          # a placeholder's values, in its dtype
+            recipe, run, budget_report = budgets.select(
+                recipe, budget, spec, Samples(held.ids.to(device), held.valid.to(device), held.position_ids.to(device)),
+                source_dtype, calibrate_on, lambda: load_model(model_id, device, stream=False).model,
+                log or (lambda line: None))
+            loaded, results, kv_scales, reports = run.loaded, run.results, run.kv_scales, run.reports
+            model = loaded.model
+        tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype, spilled)
+        tensors.update(extra)
+        types.update({n: FLOAT.name for n in extra})
+        schemes = {**(spilled.schemes if spilled is not None else {}),
+                   **{prefix: q.scheme for prefix, q in results.items()}}
+        config = config_with_quant_method(read_json(local / "config.json"), moe_hints(model, schemes))
+        if spec.discovered:               # the checkpoint tools and vLLM read it back (spec_for_config)
+            config[SAVED_SPEC_KEY] = spec.to_dict()
+        if spec.variant is not None:      # the key the spec was chosen by, where the source's config omits it
+            inner = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+            inner.setdefault(spec.variant[0], config_get(model.config, spec.variant[0]))
+        if rotated is not None:           # lm_head has its own (rotated) weight now
+            untie_config(config)
+        base_model, license_ = source_identity(model_id, local)
+        meta = {"tool": "ascend-quant", "base_model": base_model, "license": license_,
+                "num_samples": n_samples, "seq_len": int(seq_len),
+                "dataset": _dataset_name(dataset), "seed": seed}
+        files = {"ascend_quant_recipe.yaml": recipe.to_yaml(),
+                 "ascend_quant_calibration.json": json.dumps(
+                     {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
+                      **({"rotation": rotated} if rotated is not None else {}),
+                      **({"budget": budget_report} if budget_report is not None else {}),
+                      "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
+                                  "errors": r.errors, "smoothquant_alphas": r.alphas,
+                                  **({"awq_alphas": r.awq_alphas} if r.awq_alphas else {}),
+                                  **({"clip_ratios": r.clip_ratios} if r.clip_ratios else {}),
+                                  **({"expert_tokens": r.expert_tokens, "expert_fallbacks": r.fallbacks}
+                                     if r.expert_tokens else {})} for r in reports]}, indent=2)}
+        files.update(extra_files or {})
+        group_size = group_size_for(recipe, schemes)
+        def loader(name: str) -> torch.Tensor:              # a placeholder's values, in its dtype
+            if spilled is not None and name in spilled.where:
+                return spilled.read(name)
             dtype = tensors[name].dtype
             model_name = loaded.stream.spec.from_disk(name) if loaded.stream is not None else None
-            if model_name in getattr(loaded.stream, "sources", {}):       # by its model name
+            if model_name in getattr(loaded.stream, "sources", {}):           # by its model name
                 return loaded.stream.read([model_name], dtype)[model_name]
-            return source_files.read([name], dtype)[name]                  # an extra layer's, as stored
-    write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
-                     metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
+            return source_files.read([name], dtype)[name]                      # an extra layer's, as stored
+        write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
+                         metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
     if budget_report is not None:     # the size, as `inspect` prices it, into the calibration record
         _record_size(out, budget_report)
     return CalibrationResult(out, time.perf_counter() - start, n_samples, seq_len, reports, spec, budget_report)
@@ -337,8 +390,8 @@ def _dataset_name(dataset: str | None) -> str:
     return Path(dataset).name if Path(dataset).exists() else dataset
 
 
-def group_size_for(recipe: Recipe, results: dict[str, QuantizedLinear]) -> int:
-    return recipe.group_size if any(SCHEMES[q.scheme].packed for q in results.values()) else 0
+def group_size_for(recipe: Recipe, schemes: dict[str, str]) -> int:
+    return recipe.group_size if any(SCHEMES[s].packed for s in schemes.values()) else 0
 
 
 def source_identity(model_id: str, local: Path) -> tuple[str | None, str | None]:

@@ -321,7 +321,8 @@ def capture_layer_inputs(model, spec: ArchSpec, samples: torch.Tensor,
 @torch.no_grad()
 def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                    valid: torch.Tensor | None = None, release_weights: bool = False,
-                   position_ids: torch.Tensor | None = None, stream=None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
+                   position_ids: torch.Tensor | None = None, stream=None,
+                   spill=None) -> tuple[dict[str, QuantizedLinear], dict[str, tuple[torch.Tensor, torch.Tensor]], list[LayerReport]]:
     """Quantize `model` in place (fake-quant weights, smoothed norms) layer by layer.
 
     `valid` [N, L] marks real tokens (False: right padding, excluded from every statistic).
@@ -332,9 +333,12 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     embeddings and head are dropped once the first layer's input is captured, and every
     float tensor a layer leaves unchanged once the layer is done: they stay on the meta
     device and the writer reads them from the source files (`checkpoint_tensors`).
-    `position_ids` restarting inside a row separate samples that share it.
-    Returns the quantized Linears by module name, the C8 scales by attention module name
-    (k_scale, v_scale) and a report per layer.
+    `position_ids` restarting inside a row separate samples that share it. A `spill`
+    callable is handed each finished layer's quantized Linears (module name -> QuantizedLinear),
+    which are then left out of the results: calibration.job writes them to disk there, so
+    the int8 weights of the finished layers are not all held until the checkpoint is written.
+    Returns the quantized Linears by module name (those not spilled), the C8 scales by
+    attention module name (k_scale, v_scale) and a report per layer.
     """
     spec = spec_for_model(model)
     if recipe.kv_cache and not spec.kv_projections:
@@ -409,6 +413,9 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         memory.trim()                       # this layer's temporaries, back to the system
         report = _layer_report(i, time.perf_counter() - start, groups, results, prefix, experts, spec)
         reports.append(report)
+        if spill is not None:                # the layer is final: its quantized Linears leave memory
+            spill({n: results.pop(n) for n in [n for n in results if n.startswith(prefix + ".")]})
+            memory.trim()
         if progress is not None:
             progress(report)
     return results, kv_scales, reports
