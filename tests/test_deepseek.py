@@ -53,6 +53,12 @@ def _random_model(model_type: str = "deepseek_v3", q_lora_rank: int | None = 32,
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(model_type, q_lora_rank), dtype=torch.float32).eval()
+    return randomize(model, seed)
+
+
+def randomize(model, seed: int):
+    """Random weights at a scale where every Linear matters, random norm gains, router rows and
+    correction bias (fresh ones are ones / zero: routing would tie)."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

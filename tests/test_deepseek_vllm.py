@@ -27,7 +27,7 @@ import vllm  # noqa: E402  (a broken install fails the suite, never skips it)
 from ascend_quant.calibration import job, recipe as recipes  # noqa: E402
 from conftest import FIXTURES  # noqa: E402
 from moe_helpers import reference_model  # noqa: E402
-from test_deepseek import build_tiny  # noqa: E402
+from test_deepseek import build_tiny, randomize  # noqa: E402
 from test_vllm_runtime import MAX_TOKENS, PROMPTS, run_engine as runtime_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -63,25 +63,13 @@ def _config(model_type: str):
 
 
 def _build(model_type: str, dst: Path, seed: int = 0) -> Path:
-    """Random weights at a scale where every Linear matters, random norm gains, router rows and
-    correction bias (fresh ones are ones / zero: routing would tie), the final norm x4 so greedy
-    choices are decisive; V3 gets an MTP layer on disk (test_deepseek.build_tiny)."""
+    """test_deepseek's random weights (`randomize`), the final norm x4 so greedy choices are
+    decisive; V3 gets an MTP layer on disk (test_deepseek.build_tiny)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(model_type), dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    model = randomize(AutoModelForCausalLM.from_config(_config(model_type), dtype=torch.float32).eval(), seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.2)
-            elif "proj" in name or "experts" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
         model.model.norm.weight.mul_(4.0)
     return build_tiny(dst, model, mtp=model_type == "deepseek_v3")
 
