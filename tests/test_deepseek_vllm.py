@@ -234,3 +234,10 @@ def test_the_cpu_rotary_fix_matches_vllms_native_rotation():
     want = rope.forward_native(positions, flat_q.clone(), flat_k.clone())
     got = rope.forward_cpu(positions, flat_q, flat_k)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    # a dense model's q / k: 2-D strided views of one qkv output, which go to the kernel untouched
+    qkv = torch.randn(23, 256, generator=g)
+    q2, k2 = qkv[:, :128], qkv[:, 128:192]
+    want = rope.forward_native(positions, q2.clone(), k2.clone())
+    got = rope.forward_cpu(positions, q2, k2)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)

@@ -10,9 +10,9 @@ not) and the strided k_pe view come back wrong (max error ~5 on unit-normal inpu
 differs from transformers from the second token on. vLLM's compiled mode uses `forward_native`
 and is not affected.
 
-`install()` wraps `forward_cpu`: inputs the kernel reads correctly go to it unchanged; others
-are rotated as contiguous 2-D copies and written back in place (callers use both the return
-value and the in-place result).
+`install()` wraps `forward_cpu`: 2-D inputs go to the kernel unchanged (what every other model
+passes, as before); 3-D ones are rotated as contiguous 2-D copies and written back in place
+(callers use both the return value and the in-place result).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ _MARK = "_ascend_quant_strided_fix"
 
 
 def _kernel_reads(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dim() == 2 and t.is_contiguous())
+    # 2-D [tokens, heads * rope] inputs (every non-MLA model, strided q/k views of a fused qkv
+    # output included) go to the kernel as before; only the 3-D per-head views are copied
+    return t is None or t.dim() == 2
 
 
 def install() -> None:
