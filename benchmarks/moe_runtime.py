@@ -23,7 +23,7 @@ Targets (issue 15): expert weights <= 0.55x (8-bit) and <= 0.3x (4-bit) of bf16;
 
     nice -n 19 python benchmarks/moe_runtime.py --threads 2 --out benchmarks/results/moe_runtime
     -> moe_runtime.json, moe_runtime.md
-    ... --phases calibration --out /tmp/moe_calibration     # the calibration rows alone (no vLLM)
+    ... --phases calibration --out benchmarks/results/tmp/moe_calibration     # the calibration rows alone (no vLLM)
     python benchmarks/moe_runtime.py --render benchmarks/results/moe_runtime.json    # the .md again
 """
 
