@@ -79,12 +79,16 @@ def _weight_mode() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_vnni() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The words of /proc/cpuinfo (its flags among them), read once; empty where it is unreadable."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        return frozenset(open("/proc/cpuinfo").read().split())
     except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+        return frozenset()
+
+
+def cpu_has_vnni() -> bool:
+    return not cpu_flags().isdisjoint(("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -100,7 +104,7 @@ def vllm_cpu_ops():
 
 def moe_mode() -> str:
     """`ASCEND_QUANT_CPU_MOE` if set (grouped refused without AVX-512 VNNI), else grouped where it runs."""
-    has = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(_cpu_flags().split())
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags()
     mode = os.environ.get(MOE_ENV) or ("grouped" if has else "loop")
     if mode not in ("grouped", "loop"):
         raise ValueError(f"{MOE_ENV}={mode!r}: use grouped or loop")
@@ -109,21 +113,10 @@ def moe_mode() -> str:
     return mode
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_flags() -> str:
-    try:
-        return open("/proc/cpuinfo").read()
-    except OSError:
-        return ""
-
-
 def cpu_isa() -> str:
     """The widest GEMV build this CPU runs: "avx512bf16" (AVX-512 F, BW, VL and BF16),
     "avx512" (F and BW), "avx2" (with FMA) or "off"."""
-    try:
-        flags = set(open("/proc/cpuinfo").read().split())
-    except OSError:
-        return "off"
+    flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx2", "fma"} <= flags:
         return "avx512bf16" if {"avx512vl", "avx512_bf16"} <= flags else "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "off"
@@ -254,6 +247,11 @@ class CpuInt8Weight:
     packed: bool = False            # int4 values packed two per byte along k
     gemv: GemvWeight | None = None
 
+    @property
+    def bits(self) -> int:
+        """4 when the integers are kept as int4 (packed, or in the GEMV's int4 layout), else 8."""
+        return 4 if self.packed or (self.gemv is not None and self.gemv.bits == 4) else 8
+
     def holds_integers(self) -> bool:
         """False once `CpuBackend.finalize_linear` left the weight to oneDNN's own copy."""
         return self.weight_t is not None or self.gemv is not None
@@ -351,12 +349,14 @@ class CpuGroupedExperts:
     def __len__(self) -> int:
         return self.w13.w.shape[0]
 
-    def _call(self, lib, x_q, rows, x_scale, counts_offsets, p: VnniExperts, ydt, *, y=None, out=None,
-              out_rows=None, topw=None):
+    def _call(self, lib, p: VnniExperts, x_q, rows, x_scale, offsets, ydt, *, y=None, out=None, out_rows=None,
+              topw=None):
+        """One `ie_experts` call: projection `p` on int8 rows `x_q` (gathered by `rows`, or in pair
+        order), into `y` per pair or, with `out`, the weighted combine at `out_rows`."""
         status = ctypes.c_int(0)
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        lib.ie_experts(x_q.data_ptr(), x_q.stride(0), ptr(rows), x_scale.data_ptr(), counts_offsets[1],
-                       len(self), counts_offsets[0].data_ptr(), p.w.data_ptr(), p.w.stride(0), p.bits, p.n, p.k,
+        lib.ie_experts(x_q.data_ptr(), x_q.stride(0), ptr(rows), x_scale.data_ptr(), int(offsets[-1]),
+                       len(self), offsets.data_ptr(), p.w.data_ptr(), p.w.stride(0), p.bits, p.n, p.k,
                        p.kp, p.scale.data_ptr(), p.wsum.data_ptr(), ptr(y), ydt, 0 if y is None else y.stride(0),
                        ptr(out), 0 if out is None else out.stride(0), ptr(out_rows),
                        ptr(topw), torch.get_num_threads(), ctypes.byref(status))
@@ -376,7 +376,7 @@ class CpuGroupedExperts:
         token = token.contiguous()
         s_x = s_x.float().reshape(-1).contiguous()
         h = torch.empty((pairs, self.w13.n), dtype=torch.bfloat16 if ydt else torch.float32)
-        self._call(lib, x_q, token, s_x, (offsets, pairs), self.w13, ydt, y=h)
+        self._call(lib, self.w13, x_q, token, s_x, offsets, ydt, y=h)
         if h.dtype != x.dtype:
             h = h.to(x.dtype)
         i = self.w13.n // 2
@@ -384,7 +384,7 @@ class CpuGroupedExperts:
         a_q, s_a = self.backend.quantize_dynamic(a)
         s_a = s_a.float().reshape(-1).contiguous()
         # a_q is already in pair order; the combine adds pair p into its token's row
-        self._call(lib, a_q, None, s_a, (offsets, pairs), self.w2, ydt, out=out, out_rows=token,
+        self._call(lib, self.w2, a_q, None, s_a, offsets, ydt, out=out, out_rows=token,
                    topw=weight.float().contiguous())
         return out.to(x.dtype)
 
@@ -522,8 +522,7 @@ class CpuBackend(ReferenceBackend):
         if not all(lin.scheme.activation_mode == "dynamic" and isinstance(lin.prepared, CpuInt8Weight)
                    and lin.prepared.holds_integers() for lin in linears):
             return None
-        bits = {4 if (lin.prepared.packed or (lin.prepared.gemv is not None and lin.prepared.gemv.bits == 4)) else 8
-                for lin in linears}
+        bits = {lin.prepared.bits for lin in linears}
         if len(bits) != 1 or native.INT8_EXPERTS.load() is None:
             return None
         bit = bits.pop()
