@@ -249,18 +249,49 @@ def test_shared_rows_calibrate_like_one_row_each(tiny, calib_jsonl):
 
 def test_streamed_model_matches_the_loaded_one(tiny):
     """Layers read one at a time from safetensors: same logits as transformers' loader, and
-    nothing but the embeddings and norms resident before the first layer is read."""
+    nothing but the norms resident before the first layer is read (the embedding rows of the
+    calibration tokens come next, the head only for a full forward)."""
     from transformers import AutoModelForCausalLM
     from ascend_quant.calibration.streaming import StreamedModel
     streamed = StreamedModel(tiny)
     layer0 = streamed.model.model.layers[0]
-    assert layer0.self_attn.q_proj.weight.is_meta and not streamed.model.model.embed_tokens.weight.is_meta
+    assert layer0.self_attn.q_proj.weight.is_meta and streamed.model.model.embed_tokens.weight.is_meta
+    assert not streamed.model.model.norm.weight.is_meta
+    full = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 9, 31, 7]])
+    streamed.load_embedding_rows(ids)
+    rows = ids.unique()
+    assert torch.equal(streamed.model.model.embed_tokens.weight[rows], full.model.embed_tokens.weight[rows])
+    streamed.load_outer()
     for i in range(len(streamed.model.model.layers)):
         streamed.load_layer(i)
-    full = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     ids = torch.arange(3, 40).reshape(1, -1)
     with torch.no_grad():
         torch.testing.assert_close(streamed.model(ids).logits, full(ids).logits, rtol=0, atol=0)
+
+
+def test_streamed_embedding_rows_stay_off_anonymous_memory(tmp_path):
+    """A streamed calibration reads only its tokens' rows of the embedding: a 64 MiB float32
+    vocabulary matrix adds a few pages of anonymous memory, not 64 MiB."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from ascend_quant.calibration.streaming import StreamedModel
+
+    config = LlamaConfig(vocab_size=131072, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    streamed = StreamedModel(tmp_path)
+
+    def anon_mib() -> float:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("RssAnon:"))
+        return int(line.split()[1]) / 1024
+
+    before = anon_mib()
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    streamed.load_embedding_rows(ids)
+    grown = anon_mib() - before
+    weight = streamed.model.model.embed_tokens.weight
+    assert weight.shape == (131072, 128)
+    assert grown < 8, f"{grown:.1f} MiB of anonymous memory for 128 rows of a 64 MiB embedding"
 
 
 def test_alpha_search_finds_the_best_smoothing_of_its_candidates():

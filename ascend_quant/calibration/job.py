@@ -349,8 +349,8 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             dtype = tensors[name].dtype
             model_name = loaded.stream.spec.from_disk(name) if loaded.stream is not None else None
             if model_name in getattr(loaded.stream, "sources", {}):           # by its model name
-                return loaded.stream.read([model_name], dtype)[model_name]
-            return source_files.read([name], dtype)[name]                      # an extra layer's, as stored
+                return loaded.stream.read([model_name], dtype, mapped=True)[model_name]
+            return source_files.read([name], dtype, mapped=True)[name]         # an extra layer's, as stored
         write_checkpoint(out, tensors, types, group_size=group_size, source_dir=local, config=config,
                          metadata=meta, extra_files=files, overwrite=overwrite, loader=loader)
     if budget_report is not None:     # the size, as `inspect` prices it, into the calibration record

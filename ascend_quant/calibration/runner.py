@@ -346,6 +346,8 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                                "per-head K/V, e.g. MLA); drop kv_cache from the recipe")
     replace_experts(model, spec)            # MoE: per-expert Linears (a no-op when streamed)
     install_attention_hook(model, _dispatch_kv_hook)
+    if stream is not None:       # the embedding rows of the calibration tokens, not the whole matrix
+        stream.load_embedding_rows(samples)
     x, kwargs = capture_layer_inputs(model, spec, samples, position_ids)
     if stream is not None:       # embeddings and head are not needed again until the checkpoint is written
         stream.release_outer()

@@ -5,7 +5,9 @@ The calibrator needs one float layer at a time (the quantized ones keep only the
 copy), so streaming keeps the resident float weights at the embeddings plus one layer,
 instead of the whole model, and a model larger than RAM calibrates as long as one layer and
 its activations fit. Tensors are read as private copies through short-lived file handles,
-so no memory map of the checkpoint stays resident.
+so no memory map of the checkpoint stays resident (the writer alone reads views of the map,
+each dropped once written). The input embedding is read only at the rows of the calibration
+tokens, and the head not at all: the writer copies both from the files.
 
 MoE layers are swapped for per-expert Linears (arch/moe.py) before the names are matched:
 their tensors are the per-expert ones on disk (`experts.E.gate_proj.weight`, under the
@@ -68,7 +70,11 @@ class WeightFiles:
             by_file[self.where[name]].append(name)
         return by_file
 
-    def read(self, names: list[str], dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+    def read(self, names: list[str], dtype: torch.dtype, device: str = "cpu",
+             mapped: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors as private copies, or (`mapped`, for a reader that drops them at once,
+        the writer) those already in `dtype` on the CPU as views of the file's memory map:
+        file pages, no anonymous copy."""
         from safetensors import SafetensorError
 
         out = {}
@@ -79,8 +85,9 @@ class WeightFiles:
                         t = f.get_tensor(name)
                     except (SafetensorError, OSError) as e:
                         raise _unreadable(path, e) from None
-                    # a copy of our own: the file's mapping closes with the handle
-                    out[name] = t.to(device=device, dtype=dtype, copy=True)
+                    # a copy of our own, unless asked for the map (which the tensor keeps open)
+                    keep = mapped and t.dtype == dtype and device == "cpu"
+                    out[name] = t if keep else t.to(device=device, dtype=dtype, copy=True)
         return out
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -96,6 +103,19 @@ class WeightFiles:
                     part = f.get_slice(n)
                     out[n] = tuple(part.get_shape()), part.get_dtype()
         return out
+
+    def read_rows(self, name: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`name[rows]` (rows: 1-D int64) as a private copy: only those rows' pages of the file
+        are read."""
+        from safetensors import SafetensorError
+
+        path = self.where[name]
+        with _open(path) as f:
+            try:
+                t = f.get_tensor(name)       # backed by the file's memory map, not yet read
+            except (SafetensorError, OSError) as e:
+                raise _unreadable(path, e) from None
+            return t[rows].to(dtype)
 
     def read_index(self, name: str, index: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         """`name[index]` alone (one expert of a fused tensor), as a private copy."""
@@ -153,11 +173,22 @@ class StreamedModel:
             raise StreamingUnavailable(f"{len(missing)} tensors not found by name, e.g. {missing[0]}")
         layers = layers_path + "."
         self.outer_names = [n for n in needed if not n.startswith(layers)]
+        emb = model.get_input_embeddings()
+        # the input embedding matrix (vocabulary x hidden) is read row by row for the tokens the
+        # calibration samples hold (`load_embedding_rows`); discovery probes random tokens, so
+        # then it is read whole
+        self.embedding_name = next((n for n, p in model.named_parameters() if emb is not None and p is emb.weight
+                                    and n in self.outer_names), None) if explicit else None
         self.layer_names: dict[int, list[str]] = defaultdict(list)
         for n in needed:
             if n.startswith(layers):
                 self.layer_names[int(n[len(layers):].split(".", 1)[0])].append(n)
-        self.reload_outer()
+        # the head is not needed until the checkpoint is written (the writer reads it from the files)
+        head = tied_name or next((n for n, p in model.named_parameters() if out_emb is not None
+                                  and p is out_emb.weight), None)
+        self.head_name = head
+        self._load([n for n in self.outer_names if n not in (self.embedding_name, head)])
+        self._tie()
         if not explicit:
             self.load_layer(0)
             try:
@@ -193,10 +224,11 @@ class StreamedModel:
                                    f"{list(shape)} {moe.linears[role]}")
         return fused, (e, None if role == 2 else role, transposed)
 
-    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Tensors by model state-dict name, from their source (whole, or one expert's slice)."""
+    def read(self, names: list[str], dtype: torch.dtype, mapped: bool = False) -> dict[str, torch.Tensor]:
+        """Tensors by model state-dict name, from their source (whole, or one expert's slice;
+        `mapped`: see WeightFiles.read)."""
         direct = {self.sources[n][0]: n for n in names if self.sources[n][1] is None}
-        out = {direct[d]: t for d, t in self.files.read(list(direct), dtype, self.device).items()}
+        out = {direct[d]: t for d, t in self.files.read(list(direct), dtype, self.device, mapped).items()}
         for n in names:
             disk, part = self.sources[n]
             if part is None:
@@ -240,9 +272,26 @@ class StreamedModel:
             if name in params and not params[name].is_meta:
                 self._set(name, torch.empty(params[name].shape, device="meta"))
 
-    def reload_outer(self) -> None:
-        """Read the embeddings, final norm and head (again)."""
-        self._load(self.outer_names)
+    def load_outer(self) -> None:
+        """Read the embeddings and head whole (what a full forward needs; calibration does not)."""
+        self._load([n for n in self.outer_names if n in (self.embedding_name, self.head_name)])
+        self._tie()
+
+    def load_embedding_rows(self, ids: torch.Tensor) -> None:
+        """Give the input embedding the rows of the token ids in `ids`, read from the file's
+        memory map, in an otherwise unwritten (so not resident) float32 matrix of its full
+        shape: the embedding lookup of those tokens is exact, and a model's vocabulary-sized
+        matrix does not become anonymous memory. Its other rows are undefined: for the
+        forward up to the first layer only, released right after (`release_outer`)."""
+        if self.embedding_name is None:
+            return
+        name = self.embedding_name
+        disk, part = self.sources[name]
+        shape = dict(self.model.named_parameters())[name].shape
+        rows = torch.unique(ids.reshape(-1).cpu())
+        weight = torch.empty(shape, dtype=torch.float32, device=self.device)
+        weight[rows] = self.files.read_rows(disk, rows, torch.float32).to(self.device)
+        self._set(name, weight)
         self._tie()
 
     def load_layer(self, index: int) -> None:
