@@ -132,7 +132,9 @@ def safetensors_sizes(folder: Path) -> dict:
             total += size
             layer0 += size if name.startswith("model.layers.0.") else 0
             experts += size if ".experts." in name else 0
-    return {"layer0_bytes": layer0, "expert_bytes": experts, "model_bytes": total, "dtypes": sorted(dtypes)}
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    return {"layer0_bytes": layer0, "expert_bytes": experts, "model_bytes": total, "dtypes": sorted(dtypes),
+            "hidden_size": hidden}
 
 
 def _status_kib(pid: int, keys: tuple[str, ...]) -> dict[str, int]:
@@ -223,13 +225,19 @@ def run(args) -> dict:
         recut(Path(reference_model_dir()), moe, args.experts)
     sizes = safetensors_sizes(moe)
 
-    # the floor under any calibration peak: the interpreter with torch, transformers and the calibrator imported
-    import_floor = child_usage([sys.executable, "-c", "import torch, transformers, ascend_quant.calibration.job"])
+    # the floor under any calibration peak: the interpreter with torch, transformers and the calibrator
+    # imported, the tokenizer loaded and the calibration texts read (what calibrating needs before any weight)
+    import_floor = child_usage([sys.executable, "-c", "import sys, torch, transformers, ascend_quant.calibration.job; "
+                                "from ascend_quant.calibration.data import load_texts; "
+                                "transformers.AutoTokenizer.from_pretrained(sys.argv[1]); load_texts(None)", str(moe)])
     calibration = {s: calibrate(moe, work / f"moe{args.experts}-{s}", s, args.threads, args.num_samples)
                    for s in SCHEMES}
+    # the same W8A8_DYNAMIC calibration on one sample: what does not grow with the calibration tokens
+    one_sample = calibrate(moe, work / f"moe{args.experts}-one-sample", "w8a8-dynamic", args.threads, 1)
+    shutil.rmtree(work / f"moe{args.experts}-one-sample", ignore_errors=True)
 
     if args.phases == "calibration":        # the calibration rows alone
-        return {**_header(args, load_start, sizes, import_floor),
+        return {**_header(args, load_start, sizes, import_floor, one_sample),
                 "engines": {f"ascend {s}": {"scheme": s, **calibration[s]} for s in SCHEMES}}
     plan = {"bf16": (moe, None, "bfloat16"),
             **{f"ascend {s}": (work / f"moe{args.experts}-{s}", "ascend", "bfloat16") for s in SCHEMES}}
@@ -259,11 +267,11 @@ def run(args) -> dict:
             row["met"] = {"memory": row["expert_memory_vs_base"] <= row["target_memory"],
                           "prefill": row["prefill_vs_base"] >= TARGET_PREFILL,
                           "decode": row["decode_vs_base"] is not None and row["decode_vs_base"] >= TARGET_DECODE}
-    return {**_header(args, load_start, sizes, import_floor),
+    return {**_header(args, load_start, sizes, import_floor, one_sample),
             "baseline": baseline, "bf16_error": engines["bf16"].get("error"), "engines": engines}
 
 
-def _header(args, load_start, sizes: dict, import_floor: dict) -> dict:
+def _header(args, load_start, sizes: dict, import_floor: dict, one_sample: dict) -> dict:
     """What a run's JSON says besides the engines: command, machine, settings, model sizes, floor."""
     root = str(Path(__file__).resolve().parent.parent)
     n_pre, len_pre = args.prefill.split("x")
@@ -276,7 +284,8 @@ def _header(args, load_start, sizes: dict, import_floor: dict) -> dict:
             "prefill": {"prompts": int(n_pre), "tokens": int(len_pre)},
             "decode": {"sequences": int(n_dec), "prompt_tokens": int(len_dec), "generated": int(gen)},
             "float_checkpoint": sizes, "import_rss_bytes": import_floor["peak_rss_bytes"],
-            "import_anon_rss_bytes": import_floor["peak_anon_rss_bytes"]}
+            "import_anon_rss_bytes": import_floor["peak_anon_rss_bytes"],
+            "one_sample_calibration": one_sample}
 
 
 def markdown(d: dict) -> str:
@@ -328,14 +337,27 @@ def markdown(d: dict) -> str:
     if anon:
         layer, floor = f["layer0_bytes"], d["import_anon_rss_bytes"]
         lines += ["", f"Float checkpoint ({'/'.join(f['dtypes'])}): one decoder layer {layer / mib:.1f} MiB, all experts "
-                  f"{f['expert_bytes'] / mib:.1f} MiB, whole model {f['model_bytes'] / mib:.1f} MiB. The interpreter with "
-                  f"torch, transformers and the calibrator imported peaks at {d['import_rss_bytes'] / mib:.0f} MiB RSS, "
-                  f"{floor / mib:.0f} MiB anonymous. Calibration's anonymous peak is {(min(anon) - floor) / mib:.0f}-"
-                  f"{(max(anon) - floor) / mib:.0f} MiB over that floor = {(min(anon) - floor) / layer:.1f}-"
-                  f"{(max(anon) - floor) / layer:.1f} layers' worth, {(min(anon) - floor) / f['model_bytes']:.2f}-"
-                  f"{(max(anon) - floor) / f['model_bytes']:.2f}x the whole model (target, issue 15: about one layer). "
-                  "Total RSS also counts the pages of memory-mapped files once read (the safetensors are read "
-                  "through mmap); the anonymous part leaves them out."]
+                  f"{f['expert_bytes'] / mib:.1f} MiB, whole model {f['model_bytes'] / mib:.1f} MiB. The floor: the "
+                  "interpreter with torch, transformers and the calibrator imported, the tokenizer loaded and the "
+                  f"calibration texts read, peaks at {d['import_rss_bytes'] / mib:.0f} MiB RSS, {floor / mib:.0f} MiB "
+                  f"anonymous. Calibration's anonymous peak on {d['num_samples']} samples is "
+                  f"{(min(anon) - floor) / mib:.0f}-{(max(anon) - floor) / mib:.0f} MiB over that floor = "
+                  f"{(min(anon) - floor) / layer:.1f}-{(max(anon) - floor) / layer:.1f} layers' worth, "
+                  f"{(min(anon) - floor) / f['model_bytes']:.2f}-{(max(anon) - floor) / f['model_bytes']:.2f}x the whole "
+                  "model."]
+        one = d.get("one_sample_calibration")
+        if one:
+            fixed = one["peak_anon_rss_bytes"] - floor
+            w8 = d["engines"]["ascend w8a8-dynamic"]["peak_anon_rss_bytes"] - floor
+            per_sample = (w8 - fixed) / max(d["num_samples"] - 1, 1)
+            lines += ["", f"What does not grow with the calibration tokens (the same W8A8_DYNAMIC calibration on one "
+                      f"sample): {fixed / mib:.0f} MiB over the floor = {fixed / layer:.1f} layers' worth "
+                      f"(target, issue 15: about one layer). Each further sample of 512 tokens adds "
+                      f"{per_sample / mib:.1f} MiB: the activations of the layer being calibrated, "
+                      f"{per_sample / (512 * 4 * f['hidden_size']):.1f} float32 hidden vectors per token."]
+        lines += ["", "Total RSS also counts the pages of memory-mapped files once read (the safetensors are read "
+                  "through mmap, and the writer copies the float tensors from the map); the anonymous part leaves "
+                  "them out."]
     return "\n".join(lines) + "\n"
 
 
