@@ -196,3 +196,20 @@ def test_dynamic_quantizer_rounds_as_the_reference(backend, k_tail):
     rq, rs = REF.quantize_dynamic(xb)
     assert q.shape == xb.shape and s.shape == (9, 3, 1)
     assert torch.equal(q, rq) and torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("k", [48, 389])
+def test_gated_product_quantizer_equals_multiply_then_quantize(backend, k):
+    """`quantize_glu_dynamic(h)` (a MoE expert's [SiLU(gate), up] -> int8 product, one C pass)
+    equals torch's product h[:, :k] * h[:, k:] quantized by the reference, bit for bit, in
+    float32 and in bfloat16 (where the product is rounded to bfloat16 first, as torch does),
+    with a vector tail and an all-zero row."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(70, 2 * k, generator=g) * torch.logspace(-2, 2, 70).reshape(70, 1)
+    h[5, :k] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        hd = h.to(dtype)
+        q, s = backend.quantize_glu_dynamic(hd)
+        rq, rs = REF.quantize_dynamic(hd[:, :k] * hd[:, k:])
+        assert torch.equal(s, rs) and s[5].item() == 1.0, dtype
+        assert torch.equal(q, rq), (dtype, f"{int((q != rq).sum())} of {q.numel()} values differ")

@@ -126,7 +126,8 @@ GPTQ = NativeLibrary(
 # path even on an AVX-512 machine (where the tests force and check it)
 _WQ_SIG = {"wq_gemv": [_p, _i32, _i64, _i64, _i64, _p, _i32, _i64, _i64, _i64, _i64, _p, _p, _p, _p,
                        _i32, _p, _i32, _i64, _i32, _p],
-           "wq_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32]}
+           "wq_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32],
+           "wq_glu_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32]}
 _WQ_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
 WQ_GEMV = {

@@ -388,57 +388,115 @@ static inline vf load_xv(const void *x, int xdt, int64_t i) {
  * all-zero row), q = clamp(round_half_even(x / s_t), -127, 127). The division is an IEEE
  * division, as in the reference: x * (1 / s_t) differs from it by an ulp now and then, which
  * moves a value sitting on a rounding boundary to the other integer. q: [m, k] contiguous,
- * scale: [m]. */
+ * scale: [m]. quant_row is one row: x_t [k] -> q_t [k], returns s_t. */
+static inline float quant_row(const char *row, int xdt, int64_t k, int8_t *qt) {
+    float amax = 0.0f;
+    int64_t i = 0;
+#if VW == 16
+    __m512 mx = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load_xv(row, xdt, i)));
+    amax = _mm512_reduce_max_ps(mx);
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load_xv(row, xdt, i)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+#endif
+    for (; i < k; i++) {
+        float a = load_x(row, xdt, i);
+        a = a < 0 ? -a : a;
+        amax = a > amax ? a : amax;
+    }
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    i = 0;
+#if VW == 16
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (; i + 16 <= k; i += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load_xv(row, xdt, i), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i *)(qt + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+#else
+    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (; i + 8 <= k; i += 8) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(load_xv(row, xdt, i), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
+                                    _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
+        _mm_storel_epi64((__m128i *)(qt + i), _mm_packs_epi16(w, w));
+    }
+#endif
+    for (; i < k; i++) {
+        float v = __builtin_rintf(load_x(row, xdt, i) / s);   /* default rounding: half to even */
+        qt[i] = (int8_t)(v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v));
+    }
+    return s;
+}
+
 void wq_quant_dynamic(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *scale,
                       int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k >= (1 << 15))
-    for (int64_t t = 0; t < m; t++) {
-        const char *row = (const char *)x + t * ldx * (xdt == 1 ? 2 : 4);
-        int8_t *qt = q + t * k;
-        float amax = 0.0f;
-        int64_t i = 0;
+    for (int64_t t = 0; t < m; t++)
+        scale[t] = quant_row((const char *)x + t * ldx * (xdt == 1 ? 2 : 4), xdt, k, q + t * k);
+}
+
+/* bfloat16 of a float, rounding to nearest even (as torch converts; no NaN here: the inputs are
+ * finite activations). */
+static inline float round_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    c.u = (c.u + 0x7FFFu + ((c.u >> 16) & 1u)) & 0xFFFF0000u;
+    return c.f;
+}
+
+/* The gated MLP's product quantized per token: h_t = [g_t, u_t] (2k values, the gate already
+ * through SiLU), a_t = g_t * u_t in h's dtype (bfloat16: the float product rounded to nearest
+ * even, as torch multiplies two bfloat16 tensors), then wq_quant_dynamic's q_t and s_t of a_t.
+ * One pass over h instead of torch's multiply plus the quantizer's read of its output. */
+void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t ldh, int8_t *q, float *scale,
+                          int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (m * k >= (1 << 15))
+    {
+        float *a = (float *)malloc((size_t)k * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m; t++) {
+            const char *row = (const char *)h + t * ldh * (hdt == 1 ? 2 : 4);
+            int64_t j = 0;
 #if VW == 16
-        __m512 mx = _mm512_setzero_ps();
-        for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load_xv(row, xdt, i)));
-        amax = _mm512_reduce_max_ps(mx);
+            const __m512i lsb = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF),
+                          top = _mm512_set1_epi32((int)0xFFFF0000u);
+            for (; j + 16 <= k; j += 16) {
+                __m512 p = _mm512_mul_ps(load_xv(row, hdt, j), load_xv(row, hdt, k + j));
+                if (hdt == 1) {
+                    __m512i u = _mm512_castps_si512(p);
+                    u = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), lsb)));
+                    p = _mm512_castsi512_ps(_mm512_and_si512(u, top));
+                }
+                _mm512_storeu_ps(a + j, p);
+            }
 #else
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 mx = _mm256_setzero_ps();
-        for (; i + 8 <= k; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load_xv(row, xdt, i)));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, mx);
-        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+            const __m256i lsb = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF),
+                          top = _mm256_set1_epi32((int)0xFFFF0000u);
+            for (; j + 8 <= k; j += 8) {
+                __m256 p = _mm256_mul_ps(load_xv(row, hdt, j), load_xv(row, hdt, k + j));
+                if (hdt == 1) {
+                    __m256i u = _mm256_castps_si256(p);
+                    u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), lsb)));
+                    p = _mm256_castsi256_ps(_mm256_and_si256(u, top));
+                }
+                _mm256_storeu_ps(a + j, p);
+            }
 #endif
-        for (; i < k; i++) {
-            float a = load_x(row, xdt, i);
-            a = a < 0 ? -a : a;
-            amax = a > amax ? a : amax;
+            for (; j < k; j++) {
+                float p = load_x(row, hdt, j) * load_x(row, hdt, k + j);
+                a[j] = hdt == 1 ? round_bf16(p) : p;
+            }
+            scale[t] = quant_row((const char *)a, 0, k, q + t * k);
         }
-        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-        scale[t] = s;
-        i = 0;
-#if VW == 16
-        const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-        for (; i + 16 <= k; i += 16) {
-            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load_xv(row, xdt, i), vs),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-            _mm_storeu_si128((__m128i *)(qt + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-        }
-#else
-        const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-        for (; i + 8 <= k; i += 8) {
-            __m256 v = _mm256_round_ps(_mm256_div_ps(load_xv(row, xdt, i), vs),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-            __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
-                                        _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
-            _mm_storel_epi64((__m128i *)(qt + i), _mm_packs_epi16(w, w));
-        }
-#endif
-        for (; i < k; i++) {
-            float v = __builtin_rintf(load_x(row, xdt, i) / s);   /* default rounding: half to even */
-            qt[i] = (int8_t)(v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v));
-        }
+        free(a);
     }
 }
