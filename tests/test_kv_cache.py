@@ -129,6 +129,26 @@ def test_fast_attention_long_prefill_and_many_decodes(impl):
     torch.testing.assert_close(c8.attention(*args, impl=impl), c8.attention_reference(*args), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ["avx2", None])
+def test_native_attention_builds_match_reference_on_decode_and_prefill_rows(isa, monkeypatch):
+    """The kernel's two inner paths (a few query rows on the int8 page: decode; whole blocks
+    converted once: prefill), on the -march=native build and on the AVX2 build that
+    `ASCEND_QUANT_CPU_ISA=avx2` selects: GQA groups of 1 to 7 rows, head dims with and without a
+    vector tail, a soft-cap and a window."""
+    monkeypatch.setenv("ASCEND_QUANT_CPU_ISA", isa or "")
+    lib = native.load()
+    assert lib is not None, native.error()
+    assert (lib is native.C8_AVX2.load()) == (isa == "avx2")
+    for h, hkv, d in [(9, 3, 64), (7, 1, 40), (4, 4, 32)]:
+        ctx = (300,) + tuple(40 + 37 * i for i in range(6))
+        s = _scenario(h=h, hkv=hkv, d=d, ctx=ctx, qlen=(120,) + (1,) * 6, dtype=torch.bfloat16, bs=32)
+        cache = _written(s)
+        args = (s["q"], cache, s["ks"], s["vs"], s["qsl"], s["sl"], s["bt"], 0.125)
+        for opts in ({}, dict(sliding_window=50, softcap=30.0)):
+            torch.testing.assert_close(c8.attention_native(*args, lib=lib, **opts), c8.attention_reference(*args, **opts),
+                                       atol=2e-5, rtol=1e-4)
+
+
 def test_native_attention_writes_bf16_output_rows_in_place():
     """vLLM's output buffer: [T, H*D] in the model dtype, filled by the kernel with the scales applied."""
     s = _scenario(dtype=torch.bfloat16)

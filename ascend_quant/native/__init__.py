@@ -107,13 +107,15 @@ class NativeLibrary:
         return self._lib
 
 
-C8 = NativeLibrary(
-    HERE / "c8_kernel.c",
-    {"c8_write": [_p, _i64, _p, _i64, _i32, _p, _i64, _p, _i64, _i64, _i32, _i32, _i32, _p, _p, _i32],
-     "c8_gather": [_p, _i64, _i64, _p, _i64, _i32, _i32, _i32, _p, _p],
-     "c8_attention": [_p, _i64, _i32, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32,
-                      _i32, _f32, _i32, _p, _i64, _i32, _p, _i32]},
-    ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"], ["-lm"], fast_math_fallback=True)
+_C8_SIG = {"c8_write": [_p, _i64, _p, _i64, _i32, _p, _i64, _p, _i64, _i64, _i32, _i32, _i32, _p, _p, _i32],
+           "c8_gather": [_p, _i64, _i64, _p, _i64, _i32, _i32, _i32, _p, _p],
+           "c8_attention": [_p, _i64, _i32, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32,
+                            _i32, _f32, _i32, _p, _i64, _i32, _p, _i32]}
+_C8_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+C8 = NativeLibrary(HERE / "c8_kernel.c", _C8_SIG, ["-march=native", *_C8_FLAGS], ["-lm"], fast_math_fallback=True)
+# the AVX2 build, which `ASCEND_QUANT_CPU_ISA=avx2` selects (so AVX-512 machines test that path too)
+C8_AVX2 = NativeLibrary(HERE / "c8_kernel.c", _C8_SIG, ["-mavx2", "-mfma", *_C8_FLAGS], ["-lm"],
+                        fast_math_fallback=True)
 
 # no -ffast-math: the sweep must round and accumulate exactly as written (IEEE, no reassociation)
 GPTQ = NativeLibrary(
@@ -143,10 +145,15 @@ INT8_EXPERTS = NativeLibrary(
     [*_WQ_FLAGS, *_AVX512, "-mavx512vl", "-mavx512vnni"], [])
 
 
+def _c8() -> NativeLibrary:
+    return C8_AVX2 if os.environ.get("ASCEND_QUANT_CPU_ISA") == "avx2" else C8
+
+
 def load() -> ctypes.CDLL | None:
-    """The C8 paged-attention kernels (kept for the callers in runtime/paged)."""
-    return C8.load()
+    """The C8 paged-attention kernels (kept for the callers in runtime/paged): the -march=native
+    build, or the AVX2 one under `ASCEND_QUANT_CPU_ISA=avx2`."""
+    return _c8().load()
 
 
 def error() -> str | None:
-    return C8.error
+    return _c8().error

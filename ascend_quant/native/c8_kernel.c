@@ -20,9 +20,13 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
 #include <float.h>
 #include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* element types of query / key / value / output: 0 = float32, 1 = bfloat16 */
 static inline float ld(const void *p, int64_t i, int dt) {
@@ -44,6 +48,142 @@ static inline int8_t quant1(float x, float s) {
     float q = nearbyintf(x / s);
     q = q < -128.f ? -128.f : (q > 127.f ? 127.f : q);
     return (int8_t)q;
+}
+
+/* The attention's inner products run on GCC vectors of VW floats (AVX-512 registers, two AVX2
+ * ones, or scalars, whatever -march gives), over NR query rows at a time: each K or V vector
+ * loaded serves NR rows. */
+#define VW 16
+#define NR 4
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* S[r][j] = q_r . k_j for rows r < nr (q: [nr][D]) and keys [ja, jb), ja a multiple of VW, from the
+ * block's float K^T kf [D][bsp] (bsp a multiple of VW, so whole vectors stay inside it). */
+static inline __attribute__((always_inline)) void block_scores(const int nr, const float *q, int D, const float *kf,
+                                                               int bsp, int ja, int jb, float *S) {
+    for (int j = ja; j < jb; j += VW) {
+        vf a[NR];
+        for (int r = 0; r < nr; r++) a[r] = (vf){0};
+        for (int d = 0; d < D; d++) {
+            const vf k = vload(kf + (int64_t)d * bsp + j);
+            for (int r = 0; r < nr; r++) a[r] += q[(int64_t)r * D + d] * k;
+        }
+        for (int r = 0; r < nr; r++) vstore(S + (int64_t)r * bsp + j, a[r]);
+    }
+}
+
+/* acc[r][:] += sum over keys j in [ja, jb) of P[r][j] * v_j for rows r < nr, from the block's float
+ * V vb [bs][D] (P is zero outside each row's keys). */
+static inline __attribute__((always_inline)) void block_values(const int nr, const float *P, int bsp, const float *vb,
+                                                               int D, int ja, int jb, float *acc) {
+    int x = 0;
+    for (; x + VW <= D; x += VW) {
+        vf a[NR];
+        for (int r = 0; r < nr; r++) a[r] = vload(acc + (int64_t)r * D + x);
+        for (int j = ja; j < jb; j++) {
+            const vf v = vload(vb + (int64_t)j * D + x);
+            for (int r = 0; r < nr; r++) a[r] += P[(int64_t)r * bsp + j] * v;
+        }
+        for (int r = 0; r < nr; r++) vstore(acc + (int64_t)r * D + x, a[r]);
+    }
+    for (; x < D; x++)
+        for (int r = 0; r < nr; r++) {
+            float t = acc[(int64_t)r * D + x];
+            for (int j = ja; j < jb; j++) t += P[(int64_t)r * bsp + j] * vb[(int64_t)j * D + x];
+            acc[(int64_t)r * D + x] = t;
+        }
+}
+
+/* The same two reading the int8 page directly (K^T [D][bs], V [bs][D]), each vector converted in
+ * registers: for a few rows (decode) converting the whole block first costs more than the products.
+ * bs a multiple of VW. */
+static inline vf vload8(const int8_t *p) {     /* GCC's own vector conversion of int8 is scalar */
+    vf v;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
+#endif
+    return v;
+}
+
+static inline __attribute__((always_inline)) void block_scores8(const int nr, const float *q, int D, const int8_t *kp,
+                                                                int bs, int ja, int jb, float *S, int bsp) {
+    for (int j = ja; j < jb; j += VW) {
+        vf a[NR];
+        for (int r = 0; r < nr; r++) a[r] = (vf){0};
+        for (int d = 0; d < D; d++) {
+            const vf k = vload8(kp + (int64_t)d * bs + j);
+            for (int r = 0; r < nr; r++) a[r] += q[(int64_t)r * D + d] * k;
+        }
+        for (int r = 0; r < nr; r++) vstore(S + (int64_t)r * bsp + j, a[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void block_values8(const int nr, const float *P, int bsp, const int8_t *vp,
+                                                                int D, int ja, int jb, float *acc) {
+    int x = 0;
+    for (; x + VW <= D; x += VW) {
+        vf a[NR];
+        for (int r = 0; r < nr; r++) a[r] = vload(acc + (int64_t)r * D + x);
+        for (int j = ja; j < jb; j++) {
+            const vf v = vload8(vp + (int64_t)j * D + x);
+            for (int r = 0; r < nr; r++) a[r] += P[(int64_t)r * bsp + j] * v;
+        }
+        for (int r = 0; r < nr; r++) vstore(acc + (int64_t)r * D + x, a[r]);
+    }
+    for (; x < D; x++)
+        for (int r = 0; r < nr; r++) {
+            float t = acc[(int64_t)r * D + x];
+            for (int j = ja; j < jb; j++) t += P[(int64_t)r * bsp + j] * (float)vp[(int64_t)j * D + x];
+            acc[(int64_t)r * D + x] = t;
+        }
+}
+
+/* The two above with nr a constant (1..NR), so that the row accumulators stay in registers. */
+static void rows_scores8(int nr, const float *q, int D, const int8_t *kp, int bs, int ja, int jb, float *S, int bsp) {
+    switch (nr) {
+    case 4: block_scores8(4, q, D, kp, bs, ja, jb, S, bsp); break;
+    case 3: block_scores8(3, q, D, kp, bs, ja, jb, S, bsp); break;
+    case 2: block_scores8(2, q, D, kp, bs, ja, jb, S, bsp); break;
+    default: block_scores8(1, q, D, kp, bs, ja, jb, S, bsp); break;
+    }
+}
+
+static void rows_values8(int nr, const float *P, int bsp, const int8_t *vp, int D, int ja, int jb, float *acc) {
+    switch (nr) {
+    case 4: block_values8(4, P, bsp, vp, D, ja, jb, acc); break;
+    case 3: block_values8(3, P, bsp, vp, D, ja, jb, acc); break;
+    case 2: block_values8(2, P, bsp, vp, D, ja, jb, acc); break;
+    default: block_values8(1, P, bsp, vp, D, ja, jb, acc); break;
+    }
+}
+
+static void rows_scores(int nr, const float *q, int D, const float *kf, int bsp, int ja, int jb, float *S) {
+    switch (nr) {
+    case 4: block_scores(4, q, D, kf, bsp, ja, jb, S); break;
+    case 3: block_scores(3, q, D, kf, bsp, ja, jb, S); break;
+    case 2: block_scores(2, q, D, kf, bsp, ja, jb, S); break;
+    default: block_scores(1, q, D, kf, bsp, ja, jb, S); break;
+    }
+}
+
+static void rows_values(int nr, const float *P, int bsp, const float *vb, int D, int ja, int jb, float *acc) {
+    switch (nr) {
+    case 4: block_values(4, P, bsp, vb, D, ja, jb, acc); break;
+    case 3: block_values(3, P, bsp, vb, D, ja, jb, acc); break;
+    case 2: block_values(2, P, bsp, vb, D, ja, jb, acc); break;
+    default: block_values(1, P, bsp, vb, D, ja, jb, acc); break;
+    }
 }
 
 void c8_write(const void *key, int64_t key_tok_stride, const void *value, int64_t value_tok_stride, int dt,
@@ -103,11 +243,13 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
 
 #pragma omp parallel num_threads(nthreads)
     {
-        float *kf = (float *)aligned_alloc(64, sizeof(float) * ((size_t)D * bs + 16));
-        float *vf = (float *)aligned_alloc(64, sizeof(float) * ((size_t)D * bs + 16));
-        float *s = (float *)aligned_alloc(64, sizeof(float) * (bs + 16));
-        float *acc = (float *)aligned_alloc(64, sizeof(float) * ((size_t)max_rows * D + 16));
-        float *qbuf = (float *)aligned_alloc(64, sizeof(float) * ((size_t)max_rows * D + 16));
+        const int bsp = (bs + VW - 1) / VW * VW;
+        /* zeroed once: the lanes past a block's keys are read by whole vectors, always finite */
+        float *kf = (float *)calloc((size_t)D * bsp + VW, sizeof(float));
+        float *vb = (float *)calloc((size_t)D * bs + VW, sizeof(float));
+        float *S = (float *)calloc((size_t)NR * bsp + VW, sizeof(float));
+        float *acc = (float *)malloc(sizeof(float) * ((size_t)max_rows * D + VW));
+        float *qbuf = (float *)malloc(sizeof(float) * ((size_t)max_rows * D + VW));
         float *m = (float *)malloc(sizeof(float) * max_rows);
         float *l = (float *)malloc(sizeof(float) * max_rows);
 #pragma omp for schedule(dynamic, 1)
@@ -147,66 +289,79 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                 const int base = b * bs;
                 const int nk = kv_end - base < bs ? kv_end - base : bs;
                 const int jlo = kv_begin - base > 0 ? kv_begin - base : 0;   /* first key any row sees */
-                for (int d = 0; d < D; d++) {
+                /* one pass of rows (decode): products on the int8 page; else convert the block once */
+                const int direct = rows <= NR && bs % VW == 0;
+                for (int d = 0; d < D && !direct; d++) {
                     const int8_t *src = page + (int64_t)d * bs;
-                    float *dst = kf + (int64_t)d * bs;
+                    float *dst = kf + (int64_t)d * bsp;
 #pragma omp simd
                     for (int j = jlo; j < nk; j++) dst[j] = (float)src[j];
                 }
-                {
+                if (!direct) {
                     const int8_t *src = page + (int64_t)bs * D;
                     const int n = nk * D;
 #pragma omp simd
-                    for (int e = jlo * D; e < n; e++) vf[e] = (float)src[e];
+                    for (int e = jlo * D; e < n; e++) vb[e] = (float)src[e];
                 }
-                for (int rr = 0; rr < rows; rr++) {
-                    const int i = rr / G;
-                    const int limit = causal ? first_pos + i + 1 : ctx;   /* keys [start, limit) */
-                    const int start = window > 0 ? first_pos + i - window + 1 : 0;
-                    int nkr = limit - base;
-                    if (nkr <= 0) continue;
-                    if (nkr > nk) nkr = nk;
-                    const int j0 = start - base > 0 ? start - base : 0;
-                    if (j0 >= nkr) continue;
-                    const float *qr = qbuf + (int64_t)rr * D;
-#pragma omp simd
-                    for (int j = j0; j < nkr; j++) s[j] = 0.f;
-                    for (int d = 0; d < D; d++) {
-                        const float qd = qr[d];
-                        const float *kd = kf + (int64_t)d * bs;
-#pragma omp simd
-                        for (int j = j0; j < nkr; j++) s[j] += qd * kd[j];
+                for (int r0 = 0; r0 < rows; r0 += NR) {
+                    const int nr = rows - r0 < NR ? rows - r0 : NR;
+                    int jr0[NR], jr1[NR];                     /* each row's keys [jr0, jr1) in this block */
+                    int ja = bs, jb = 0;
+                    for (int x = 0; x < nr; x++) {
+                        const int i = (r0 + x) / G;
+                        const int limit = causal ? first_pos + i + 1 : ctx;   /* keys [start, limit) */
+                        const int start = window > 0 ? first_pos + i - window + 1 : 0;
+                        int nkr = limit - base;
+                        nkr = nkr > nk ? nk : nkr;
+                        const int j0 = start - base > 0 ? start - base : 0;
+                        jr0[x] = j0;
+                        jr1[x] = nkr > j0 ? nkr : j0;                         /* empty: no key here */
+                        if (jr1[x] > jr0[x]) {
+                            ja = j0 < ja ? j0 : ja;
+                            jb = nkr > jb ? nkr : jb;
+                        }
                     }
-                    if (softcap > 0.f) {
-                        const float inv_cap = 1.f / softcap;
+                    if (jb <= ja) continue;
+                    ja = ja / VW * VW;
+                    if (direct)
+                        rows_scores8(nr, qbuf + (int64_t)r0 * D, D, page, bs, ja, jb, S, bsp);
+                    else
+                        rows_scores(nr, qbuf + (int64_t)r0 * D, D, kf, bsp, ja, jb, S);
+                    for (int x = 0; x < nr; x++) {
+                        const int rr = r0 + x, j0 = jr0[x], nkr = jr1[x];
+                        float *s = S + (int64_t)x * bsp;
+                        for (int j = ja; j < (j0 < jb ? j0 : jb); j++) s[j] = 0.f;
+                        for (int j = nkr > ja ? nkr : ja; j < jb; j++) s[j] = 0.f;
+                        if (nkr <= j0) continue;                /* this row sees no key of the block */
+                        if (softcap > 0.f) {
+                            const float inv_cap = 1.f / softcap;
 #pragma omp simd
-                        for (int j = j0; j < nkr; j++) s[j] = softcap * tanhf(s[j] * inv_cap);
-                    }
-                    float mx = s[j0];
-                    for (int j = j0 + 1; j < nkr; j++) mx = s[j] > mx ? s[j] : mx;
-                    const int first = l[rr] == 0.f;
-                    const float m_new = first || mx > m[rr] ? mx : m[rr];
-                    const float corr = first ? 0.f : expf(m[rr] - m_new);
-                    float sum = 0.f;
+                            for (int j = j0; j < nkr; j++) s[j] = softcap * tanhf(s[j] * inv_cap);
+                        }
+                        float mx = s[j0];
+                        for (int j = j0 + 1; j < nkr; j++) mx = s[j] > mx ? s[j] : mx;
+                        const int first = l[rr] == 0.f;
+                        const float m_new = first || mx > m[rr] ? mx : m[rr];
+                        const float corr = first ? 0.f : expf(m[rr] - m_new);
+                        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-                    for (int j = j0; j < nkr; j++) {
-                        float p = expf(s[j] - m_new);
-                        s[j] = p;
-                        sum += p;
-                    }
-                    m[rr] = m_new;
-                    l[rr] = l[rr] * corr + sum;
-                    float *ar = acc + (int64_t)rr * D;
-                    if (!first) {
+                        for (int j = j0; j < nkr; j++) {
+                            float p = expf(s[j] - m_new);
+                            s[j] = p;
+                            sum += p;
+                        }
+                        m[rr] = m_new;
+                        l[rr] = l[rr] * corr + sum;
+                        if (!first) {
+                            float *ar = acc + (int64_t)rr * D;
 #pragma omp simd
-                        for (int d = 0; d < D; d++) ar[d] *= corr;
+                            for (int d = 0; d < D; d++) ar[d] *= corr;
+                        }
                     }
-                    for (int j = j0; j < nkr; j++) {
-                        const float p = s[j];
-                        const float *vj = vf + (int64_t)j * D;
-#pragma omp simd
-                        for (int d = 0; d < D; d++) ar[d] += p * vj[d];
-                    }
+                    if (direct)
+                        rows_values8(nr, S, bsp, page + (int64_t)bs * D, D, ja, jb, acc + (int64_t)r0 * D);
+                    else
+                        rows_values(nr, S, bsp, vb, D, ja, jb, acc + (int64_t)r0 * D);
                 }
             }
             for (int rr = 0; rr < rows; rr++) {
@@ -217,7 +372,7 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                 for (int d = 0; d < D; d++) st(out, o0 + d, out_dt, acc[(int64_t)rr * D + d] * inv * om[d]);
             }
         }
-        free(kf); free(vf); free(s); free(acc); free(qbuf); free(m); free(l);
+        free(kf); free(vb); free(S); free(acc); free(qbuf); free(m); free(l);
     }
     free(item_start);
 }
