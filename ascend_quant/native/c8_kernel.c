@@ -54,7 +54,11 @@ static inline int8_t quant1(float x, float s) {
  * ones, or scalars, whatever -march gives), over NR query rows at a time: each K or V vector
  * loaded serves NR rows. */
 #define VW 16
-#define NR 4
+#if defined(__AVX512F__)
+#define NR 8              /* 32 vector registers: 8 row accumulators and the operands */
+#else
+#define NR 4              /* 16 (AVX2: each VW-float vector is two of them) */
+#endif
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -152,6 +156,12 @@ static inline __attribute__((always_inline)) void block_values8(const int nr, co
 /* The two above with nr a constant (1..NR), so that the row accumulators stay in registers. */
 static void rows_scores8(int nr, const float *q, int D, const int8_t *kp, int bs, int ja, int jb, float *S, int bsp) {
     switch (nr) {
+#if NR > 4
+    case 8: block_scores8(8, q, D, kp, bs, ja, jb, S, bsp); break;
+    case 7: block_scores8(7, q, D, kp, bs, ja, jb, S, bsp); break;
+    case 6: block_scores8(6, q, D, kp, bs, ja, jb, S, bsp); break;
+    case 5: block_scores8(5, q, D, kp, bs, ja, jb, S, bsp); break;
+#endif
     case 4: block_scores8(4, q, D, kp, bs, ja, jb, S, bsp); break;
     case 3: block_scores8(3, q, D, kp, bs, ja, jb, S, bsp); break;
     case 2: block_scores8(2, q, D, kp, bs, ja, jb, S, bsp); break;
@@ -161,6 +171,12 @@ static void rows_scores8(int nr, const float *q, int D, const int8_t *kp, int bs
 
 static void rows_values8(int nr, const float *P, int bsp, const int8_t *vp, int D, int ja, int jb, float *acc) {
     switch (nr) {
+#if NR > 4
+    case 8: block_values8(8, P, bsp, vp, D, ja, jb, acc); break;
+    case 7: block_values8(7, P, bsp, vp, D, ja, jb, acc); break;
+    case 6: block_values8(6, P, bsp, vp, D, ja, jb, acc); break;
+    case 5: block_values8(5, P, bsp, vp, D, ja, jb, acc); break;
+#endif
     case 4: block_values8(4, P, bsp, vp, D, ja, jb, acc); break;
     case 3: block_values8(3, P, bsp, vp, D, ja, jb, acc); break;
     case 2: block_values8(2, P, bsp, vp, D, ja, jb, acc); break;
@@ -170,6 +186,12 @@ static void rows_values8(int nr, const float *P, int bsp, const int8_t *vp, int 
 
 static void rows_scores(int nr, const float *q, int D, const float *kf, int bsp, int ja, int jb, float *S) {
     switch (nr) {
+#if NR > 4
+    case 8: block_scores(8, q, D, kf, bsp, ja, jb, S); break;
+    case 7: block_scores(7, q, D, kf, bsp, ja, jb, S); break;
+    case 6: block_scores(6, q, D, kf, bsp, ja, jb, S); break;
+    case 5: block_scores(5, q, D, kf, bsp, ja, jb, S); break;
+#endif
     case 4: block_scores(4, q, D, kf, bsp, ja, jb, S); break;
     case 3: block_scores(3, q, D, kf, bsp, ja, jb, S); break;
     case 2: block_scores(2, q, D, kf, bsp, ja, jb, S); break;
@@ -179,6 +201,12 @@ static void rows_scores(int nr, const float *q, int D, const float *kf, int bsp,
 
 static void rows_values(int nr, const float *P, int bsp, const float *vb, int D, int ja, int jb, float *acc) {
     switch (nr) {
+#if NR > 4
+    case 8: block_values(8, P, bsp, vb, D, ja, jb, acc); break;
+    case 7: block_values(7, P, bsp, vb, D, ja, jb, acc); break;
+    case 6: block_values(6, P, bsp, vb, D, ja, jb, acc); break;
+    case 5: block_values(5, P, bsp, vb, D, ja, jb, acc); break;
+#endif
     case 4: block_values(4, P, bsp, vb, D, ja, jb, acc); break;
     case 3: block_values(3, P, bsp, vb, D, ja, jb, acc); break;
     case 2: block_values(2, P, bsp, vb, D, ja, jb, acc); break;
