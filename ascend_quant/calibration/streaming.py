@@ -286,7 +286,7 @@ class StreamedModel:
         if self.embedding_name is None:
             return
         name = self.embedding_name
-        disk, part = self.sources[name]
+        disk = self.sources[name][0]
         shape = dict(self.model.named_parameters())[name].shape
         rows = torch.unique(ids.reshape(-1).cpu())
         weight = torch.empty(shape, dtype=torch.float32, device=self.device)
