@@ -150,7 +150,7 @@ def _alphas(data: dict) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the reference model)")
-    ap.add_argument("--num-samples", type=int, default=96, help="fit windows (the CLI's 128 less the selection quarter)")
+    ap.add_argument("--num-samples", type=int, default=96, help="fit windows (the CLI's 128 less a quarter; the committed run used 64 for time)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--select-tokens", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=1)
@@ -180,7 +180,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# W8A8_DYNAMIC preset chosen on calibration text only",
+    lines = ["# W8A8_DYNAMIC preset chosen on calibration text only",
              "",
              f"{result['date']} · `{result['model']}` · {args.threads} thread(s) · fit: {result['fit']['windows']} "
              f"packed windows of {args.seq_len} from the first {1 - SELECT_SHARE:.0%} of the built-in calibration "
@@ -188,7 +188,8 @@ def main() -> None:
              f"(float perplexity {result['float_ppl']:.4f}) · the eval split is not read · total "
              f"{result['seconds']:.0f} s",
              "",
-             f"`nice -n 19 python benchmarks/choose_preset.py --threads {args.threads} --num-samples {args.num_samples}`",
+             f"`nice -n 19 python benchmarks/choose_preset.py --threads {args.threads} --num-samples {args.num_samples} "
+             f"--select-tokens {args.select_tokens}`",
              "",
              "| candidate | selection ppl increase | calibration wall s |",
              "|---|---:|---:|"]
