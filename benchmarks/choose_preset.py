@@ -150,7 +150,8 @@ def _alphas(data: dict) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the reference model)")
-    ap.add_argument("--num-samples", type=int, default=96, help="fit windows (the CLI's 128 less a quarter; the committed run used 64 for time)")
+    ap.add_argument("--num-samples", type=int, default=96,
+                    help="fit windows (the CLI's 128 less a quarter; the committed run used 64 for time)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--select-tokens", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=1)
