@@ -111,7 +111,7 @@ _C8_SIG = {"c8_write": [_p, _i64, _p, _i64, _i32, _p, _i64, _p, _i64, _i64, _i32
            "c8_gather": [_p, _i64, _i64, _p, _i64, _i32, _i32, _i32, _p, _p],
            "c8_attention": [_p, _i64, _i32, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _i32,
                             _i32, _f32, _i32, _p, _i64, _i32, _p, _i32]}
-_C8_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_C8_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
 C8 = NativeLibrary(HERE / "c8_kernel.c", _C8_SIG, ["-march=native", *_C8_FLAGS], ["-lm"], fast_math_fallback=True)
 # the AVX2 build, which `ASCEND_QUANT_CPU_ISA=avx2` selects (so AVX-512 machines test that path too)
 C8_AVX2 = NativeLibrary(HERE / "c8_kernel.c", _C8_SIG, ["-mavx2", "-mfma", *_C8_FLAGS], ["-lm"],

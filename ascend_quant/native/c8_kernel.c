@@ -63,46 +63,6 @@ typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* S[r][j] = q_r . k_j for rows r < nr (q: [nr][D]) and keys [ja, jb), ja a multiple of VW, from the
- * block's float K^T kf [D][bsp] (bsp a multiple of VW, so whole vectors stay inside it). */
-static inline __attribute__((always_inline)) void block_scores(const int nr, const float *q, int D, const float *kf,
-                                                               int bsp, int ja, int jb, float *S) {
-    for (int j = ja; j < jb; j += VW) {
-        vf a[NR];
-        for (int r = 0; r < nr; r++) a[r] = (vf){0};
-        for (int d = 0; d < D; d++) {
-            const vf k = vload(kf + (int64_t)d * bsp + j);
-            for (int r = 0; r < nr; r++) a[r] += q[(int64_t)r * D + d] * k;
-        }
-        for (int r = 0; r < nr; r++) vstore(S + (int64_t)r * bsp + j, a[r]);
-    }
-}
-
-/* acc[r][:] += sum over keys j in [ja, jb) of P[r][j] * v_j for rows r < nr, from the block's float
- * V vb [bs][D] (P is zero outside each row's keys). */
-static inline __attribute__((always_inline)) void block_values(const int nr, const float *P, int bsp, const float *vb,
-                                                               int D, int ja, int jb, float *acc) {
-    int x = 0;
-    for (; x + VW <= D; x += VW) {
-        vf a[NR];
-        for (int r = 0; r < nr; r++) a[r] = vload(acc + (int64_t)r * D + x);
-        for (int j = ja; j < jb; j++) {
-            const vf v = vload(vb + (int64_t)j * D + x);
-            for (int r = 0; r < nr; r++) a[r] += P[(int64_t)r * bsp + j] * v;
-        }
-        for (int r = 0; r < nr; r++) vstore(acc + (int64_t)r * D + x, a[r]);
-    }
-    for (; x < D; x++)
-        for (int r = 0; r < nr; r++) {
-            float t = acc[(int64_t)r * D + x];
-            for (int j = ja; j < jb; j++) t += P[(int64_t)r * bsp + j] * vb[(int64_t)j * D + x];
-            acc[(int64_t)r * D + x] = t;
-        }
-}
-
-/* The same two reading the int8 page directly (K^T [D][bs], V [bs][D]), each vector converted in
- * registers: for a few rows (decode) converting the whole block first costs more than the products.
- * bs a multiple of VW. */
 static inline vf vload8(const int8_t *p) {     /* GCC's own vector conversion of int8 is scalar */
     vf v;
 #if defined(__AVX512F__)
@@ -120,98 +80,76 @@ static inline vf vload8(const int8_t *p) {     /* GCC's own vector conversion of
     return v;
 }
 
-static inline __attribute__((always_inline)) void block_scores8(const int nr, const float *q, int D, const int8_t *kp,
-                                                                int bs, int ja, int jb, float *S, int bsp) {
+/* Element i of a K or V operand: the block converted to float (i8 = 0), or the int8 page itself
+ * (i8 = 1: each vector converted in registers; for a few rows, decode, converting the whole block
+ * first costs more than the products). */
+static inline __attribute__((always_inline)) vf opv(const void *x, int64_t i, const int i8) {
+    return i8 ? vload8((const int8_t *)x + i) : vload((const float *)x + i);
+}
+
+static inline __attribute__((always_inline)) float op1(const void *x, int64_t i, const int i8) {
+    return i8 ? (float)((const int8_t *)x)[i] : ((const float *)x)[i];
+}
+
+/* S[r][j] = q_r . k_j for rows r < nr (q: [nr][D]) and keys [ja, jb), ja a multiple of VW, from
+ * K^T [D][ldk] (ldk: bsp for the float block, a multiple of VW; bs for the page, also one, so whole
+ * vectors stay inside it). */
+static inline __attribute__((always_inline)) void block_scores(const int nr, const int i8, const float *q, int D,
+                                                               const void *k, int ldk, int ja, int jb, float *S,
+                                                               int bsp) {
     for (int j = ja; j < jb; j += VW) {
         vf a[NR];
         for (int r = 0; r < nr; r++) a[r] = (vf){0};
         for (int d = 0; d < D; d++) {
-            const vf k = vload8(kp + (int64_t)d * bs + j);
-            for (int r = 0; r < nr; r++) a[r] += q[(int64_t)r * D + d] * k;
+            const vf kv = opv(k, (int64_t)d * ldk + j, i8);
+            for (int r = 0; r < nr; r++) a[r] += q[(int64_t)r * D + d] * kv;
         }
         for (int r = 0; r < nr; r++) vstore(S + (int64_t)r * bsp + j, a[r]);
     }
 }
 
-static inline __attribute__((always_inline)) void block_values8(const int nr, const float *P, int bsp, const int8_t *vp,
-                                                                int D, int ja, int jb, float *acc) {
+/* acc[r][:] += sum over keys j in [ja, jb) of P[r][j] * v_j for rows r < nr, from V [bs][D] (P is
+ * zero outside each row's keys). */
+static inline __attribute__((always_inline)) void block_values(const int nr, const int i8, const float *P, int bsp,
+                                                               const void *v, int D, int ja, int jb, float *acc) {
     int x = 0;
     for (; x + VW <= D; x += VW) {
         vf a[NR];
         for (int r = 0; r < nr; r++) a[r] = vload(acc + (int64_t)r * D + x);
         for (int j = ja; j < jb; j++) {
-            const vf v = vload8(vp + (int64_t)j * D + x);
-            for (int r = 0; r < nr; r++) a[r] += P[(int64_t)r * bsp + j] * v;
+            const vf vv = opv(v, (int64_t)j * D + x, i8);
+            for (int r = 0; r < nr; r++) a[r] += P[(int64_t)r * bsp + j] * vv;
         }
         for (int r = 0; r < nr; r++) vstore(acc + (int64_t)r * D + x, a[r]);
     }
     for (; x < D; x++)
         for (int r = 0; r < nr; r++) {
             float t = acc[(int64_t)r * D + x];
-            for (int j = ja; j < jb; j++) t += P[(int64_t)r * bsp + j] * (float)vp[(int64_t)j * D + x];
+            for (int j = ja; j < jb; j++) t += P[(int64_t)r * bsp + j] * op1(v, (int64_t)j * D + x, i8);
             acc[(int64_t)r * D + x] = t;
         }
 }
 
-/* The two above with nr a constant (1..NR), so that the row accumulators stay in registers. */
-static void rows_scores8(int nr, const float *q, int D, const int8_t *kp, int bs, int ja, int jb, float *S, int bsp) {
-    switch (nr) {
+/* The two above with nr (1..NR) and i8 constants, so that the row accumulators stay in registers. */
+#define ROWS_CASE(n, call) case n: if (i8) call(n, 1); else call(n, 0); break;
 #if NR > 4
-    case 8: block_scores8(8, q, D, kp, bs, ja, jb, S, bsp); break;
-    case 7: block_scores8(7, q, D, kp, bs, ja, jb, S, bsp); break;
-    case 6: block_scores8(6, q, D, kp, bs, ja, jb, S, bsp); break;
-    case 5: block_scores8(5, q, D, kp, bs, ja, jb, S, bsp); break;
+#define BY_ROWS(call) switch (nr) { ROWS_CASE(8, call) ROWS_CASE(7, call) ROWS_CASE(6, call) ROWS_CASE(5, call) \
+                                    ROWS_CASE(4, call) ROWS_CASE(3, call) ROWS_CASE(2, call) default: ROWS_CASE(1, call) }
+#else
+#define BY_ROWS(call) switch (nr) { ROWS_CASE(4, call) ROWS_CASE(3, call) ROWS_CASE(2, call) default: ROWS_CASE(1, call) }
 #endif
-    case 4: block_scores8(4, q, D, kp, bs, ja, jb, S, bsp); break;
-    case 3: block_scores8(3, q, D, kp, bs, ja, jb, S, bsp); break;
-    case 2: block_scores8(2, q, D, kp, bs, ja, jb, S, bsp); break;
-    default: block_scores8(1, q, D, kp, bs, ja, jb, S, bsp); break;
-    }
+
+static void rows_scores(int nr, int i8, const float *q, int D, const void *k, int ldk, int ja, int jb, float *S,
+                        int bsp) {
+#define SCORES(n, c) block_scores(n, c, q, D, k, ldk, ja, jb, S, bsp)
+    BY_ROWS(SCORES)
+#undef SCORES
 }
 
-static void rows_values8(int nr, const float *P, int bsp, const int8_t *vp, int D, int ja, int jb, float *acc) {
-    switch (nr) {
-#if NR > 4
-    case 8: block_values8(8, P, bsp, vp, D, ja, jb, acc); break;
-    case 7: block_values8(7, P, bsp, vp, D, ja, jb, acc); break;
-    case 6: block_values8(6, P, bsp, vp, D, ja, jb, acc); break;
-    case 5: block_values8(5, P, bsp, vp, D, ja, jb, acc); break;
-#endif
-    case 4: block_values8(4, P, bsp, vp, D, ja, jb, acc); break;
-    case 3: block_values8(3, P, bsp, vp, D, ja, jb, acc); break;
-    case 2: block_values8(2, P, bsp, vp, D, ja, jb, acc); break;
-    default: block_values8(1, P, bsp, vp, D, ja, jb, acc); break;
-    }
-}
-
-static void rows_scores(int nr, const float *q, int D, const float *kf, int bsp, int ja, int jb, float *S) {
-    switch (nr) {
-#if NR > 4
-    case 8: block_scores(8, q, D, kf, bsp, ja, jb, S); break;
-    case 7: block_scores(7, q, D, kf, bsp, ja, jb, S); break;
-    case 6: block_scores(6, q, D, kf, bsp, ja, jb, S); break;
-    case 5: block_scores(5, q, D, kf, bsp, ja, jb, S); break;
-#endif
-    case 4: block_scores(4, q, D, kf, bsp, ja, jb, S); break;
-    case 3: block_scores(3, q, D, kf, bsp, ja, jb, S); break;
-    case 2: block_scores(2, q, D, kf, bsp, ja, jb, S); break;
-    default: block_scores(1, q, D, kf, bsp, ja, jb, S); break;
-    }
-}
-
-static void rows_values(int nr, const float *P, int bsp, const float *vb, int D, int ja, int jb, float *acc) {
-    switch (nr) {
-#if NR > 4
-    case 8: block_values(8, P, bsp, vb, D, ja, jb, acc); break;
-    case 7: block_values(7, P, bsp, vb, D, ja, jb, acc); break;
-    case 6: block_values(6, P, bsp, vb, D, ja, jb, acc); break;
-    case 5: block_values(5, P, bsp, vb, D, ja, jb, acc); break;
-#endif
-    case 4: block_values(4, P, bsp, vb, D, ja, jb, acc); break;
-    case 3: block_values(3, P, bsp, vb, D, ja, jb, acc); break;
-    case 2: block_values(2, P, bsp, vb, D, ja, jb, acc); break;
-    default: block_values(1, P, bsp, vb, D, ja, jb, acc); break;
-    }
+static void rows_values(int nr, int i8, const float *P, int bsp, const void *v, int D, int ja, int jb, float *acc) {
+#define VALUES(n, c) block_values(n, c, P, bsp, v, D, ja, jb, acc)
+    BY_ROWS(VALUES)
+#undef VALUES
 }
 
 void c8_write(const void *key, int64_t key_tok_stride, const void *value, int64_t value_tok_stride, int dt,
@@ -351,10 +289,8 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                     }
                     if (jb <= ja) continue;
                     ja = ja / VW * VW;
-                    if (direct)
-                        rows_scores8(nr, qbuf + (int64_t)r0 * D, D, page, bs, ja, jb, S, bsp);
-                    else
-                        rows_scores(nr, qbuf + (int64_t)r0 * D, D, kf, bsp, ja, jb, S);
+                    rows_scores(nr, direct, qbuf + (int64_t)r0 * D, D, direct ? (const void *)page : kf,
+                                direct ? bs : bsp, ja, jb, S, bsp);
                     for (int x = 0; x < nr; x++) {
                         const int rr = r0 + x, j0 = jr0[x], nkr = jr1[x];
                         float *s = S + (int64_t)x * bsp;
@@ -386,10 +322,8 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                             for (int d = 0; d < D; d++) ar[d] *= corr;
                         }
                     }
-                    if (direct)
-                        rows_values8(nr, S, bsp, page + (int64_t)bs * D, D, ja, jb, acc + (int64_t)r0 * D);
-                    else
-                        rows_values(nr, S, bsp, vb, D, ja, jb, acc + (int64_t)r0 * D);
+                    rows_values(nr, direct, S, bsp, direct ? (const void *)(page + (int64_t)bs * D) : vb, D, ja,
+                                jb, acc + (int64_t)r0 * D);
                 }
             }
             for (int rr = 0; rr < rows; rr++) {
