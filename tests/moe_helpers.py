@@ -189,3 +189,28 @@ def reference_model(model_dir: Path, ckpt_dir: Path, activations: bool = True, t
 
         experts.forward = types.MethodType(forward, experts)
     return model
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log-softmax of `model`'s logits at each generated position of prompt + tokens: [len(tokens), vocab]."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits[0, len(prompt) - 1:].float(), -1)
+
+
+def assert_follows(model, prompts, generated, tol: float, label=None, max_tokens: int | None = None) -> None:
+    """Each generated token (`generated`: per prompt, (tokens, log-probs) from vLLM) is `model`'s
+    greedy choice within `tol` of its best log-prob, with the log-prob vLLM reported within `tol`."""
+    for prompt, (tokens, logprobs) in zip(prompts, generated):
+        if max_tokens is not None:
+            assert len(tokens) == max_tokens
+        r = reference_logprobs(model, prompt, tokens)
+        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+            assert r[i, t] >= r[i].max() - tol, (label, prompt, i, t, r[i].argmax().item())
+            assert abs(lp - r[i, t].item()) < tol, (label, i, lp, r[i, t].item())
+
+
+def max_logprob_gap(model, prompts, generated) -> float:
+    """The largest difference between vLLM's log-probs and `model`'s on the same tokens."""
+    return max(abs(lp - r[i, t].item()) for prompt, (tokens, lps) in zip(prompts, generated)
+               for r in [reference_logprobs(model, prompt, tokens)] for i, (t, lp) in enumerate(zip(tokens, lps)))

@@ -26,7 +26,7 @@ import vllm  # noqa: E402  (a broken install fails the suite, never skips it)
 
 from ascend_quant.calibration import job, recipe as recipes  # noqa: E402
 from conftest import FIXTURES  # noqa: E402
-from moe_helpers import reference_model  # noqa: E402
+from moe_helpers import assert_follows, max_logprob_gap, reference_model  # noqa: E402
 from test_deepseek import build_tiny, randomize  # noqa: E402
 from test_vllm_runtime import MAX_TOKENS, PROMPTS, run_engine as runtime_engine  # noqa: E402
 
@@ -132,31 +132,18 @@ def compiled_generations(checkpoints, generations):
     return {name: run_engine(checkpoints[name], enforce_eager=False) for name in COMPILED}
 
 
-def _logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + tokens[:-1]])
-    with torch.no_grad():
-        return torch.log_softmax(model(ids).logits[0, len(prompt) - 1:].float(), -1)
-
-
-def _assert_matches(ref, generated, label):
-    for prompt, (tokens, logprobs) in zip(PROMPTS, generated):
-        assert len(tokens) == MAX_TOKENS
-        r = _logprobs(ref, prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert r[i, t] >= r[i].max() - LOGPROB_TOL, (label, prompt, i, t, r[i].argmax().item())
-            assert abs(lp - r[i, t].item()) < LOGPROB_TOL, (label, i, lp, r[i, t].item())
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_greedy_tokens_and_logprobs_match_the_reference(name, float_models, checkpoints, generations):
     family, _ = VARIANTS[name]
-    _assert_matches(reference_model(float_models[family], checkpoints[name]), generations[name][0], name)
+    assert_follows(reference_model(float_models[family], checkpoints[name]), PROMPTS, generations[name][0],
+                   LOGPROB_TOL, name, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_mode_matches_the_reference(name, float_models, checkpoints, compiled_generations):
     family, _ = VARIANTS[name]
-    _assert_matches(reference_model(float_models[family], checkpoints[name]), compiled_generations[name][0], name)
+    assert_follows(reference_model(float_models[family], checkpoints[name]), PROMPTS, compiled_generations[name][0],
+                   LOGPROB_TOL, name, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -190,9 +177,8 @@ def test_every_layer_is_served_as_calibrated(name, float_models, checkpoints, ge
     else:
         assert "model.layers.1.mlp.gate:bias" not in served
     float_lm = AutoModelForCausalLM.from_pretrained(float_models[family], dtype=torch.float32).eval()
-    gaps = [abs(lp - f[i, t].item()) for prompt, (tokens, lps) in zip(PROMPTS, generations[name][0])
-            for f in [_logprobs(float_lm, prompt, tokens)] for i, (t, lp) in enumerate(zip(tokens, lps))]
-    assert max(gaps) > 5 * LOGPROB_TOL, max(gaps)
+    gap = max_logprob_gap(float_lm, PROMPTS, generations[name][0])
+    assert gap > 5 * LOGPROB_TOL, gap
 
 
 def test_the_experts_take_the_scheme_of_the_recipe(checkpoints):

@@ -31,7 +31,8 @@ from ascend_quant.runtime.kernels.moe import routed_experts  # noqa: E402
 from ascend_quant.schemes import PreparedLinear, QuantizedLinear, get_scheme  # noqa: E402
 from test_vllm_runtime import MAX_TOKENS, PROMPTS, run_engine as runtime_engine, run_engine_tp2  # noqa: E402
 from moe_helpers import (  # noqa: E402
-    NUM_EXPERTS, build_tiny_moe, dequantized_expert, fake_quant_per_token, quantize_experts, reference_model,
+    NUM_EXPERTS, assert_follows, build_tiny_moe, dequantized_expert, fake_quant_per_token, max_logprob_gap,
+    quantize_experts, reference_model,
 )
 
 pytestmark = pytest.mark.vllm
@@ -112,23 +113,12 @@ def compiled_generations(checkpoints, generations):
     return {name: run_engine(checkpoints[name], enforce_eager=False) for name in COMPILED}
 
 
-def _logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + tokens[:-1]])
-    with torch.no_grad():
-        return torch.log_softmax(model(ids).logits[0, len(prompt) - 1:].float(), -1)
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_greedy_tokens_and_logprobs_match_the_reference(name, float_models, checkpoints, generations):
     family, scheme, _, _ = VARIANTS[name]
     ref = reference_model(float_models[family], checkpoints[name],
                           activations=get_scheme(scheme).activation_bits is not None)
-    for prompt, (tokens, logprobs) in zip(PROMPTS, generations[name][0]):
-        assert len(tokens) == MAX_TOKENS
-        r = _logprobs(ref, prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert r[i, t] >= r[i].max() - LOGPROB_TOL, (name, prompt, i, t, r[i].argmax().item())
-            assert abs(lp - r[i, t].item()) < LOGPROB_TOL, (name, i, lp, r[i, t].item())
+    assert_follows(ref, PROMPTS, generations[name][0], LOGPROB_TOL, name, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -158,9 +148,8 @@ def test_quantized_experts_are_what_is_served(name, float_models, generations):
         if get_scheme(scheme).weight_bits == 4:
             assert s["w13_packed"] and s["w13_bytes"] == 128 * 64 // 2, s
     float_lm = AutoModelForCausalLM.from_pretrained(float_models[family], dtype=torch.float32).eval()
-    gaps = [abs(lp - f[i, t].item()) for prompt, (tokens, lps) in zip(PROMPTS, generations[name][0])
-            for f in [_logprobs(float_lm, prompt, tokens)] for i, (t, lp) in enumerate(zip(tokens, lps))]
-    assert max(gaps) > 5 * LOGPROB_TOL, max(gaps)
+    gap = max_logprob_gap(float_lm, PROMPTS, generations[name][0])
+    assert gap > 5 * LOGPROB_TOL, gap
 
 
 @pytest.mark.parametrize("name", COMPILED)
@@ -181,11 +170,7 @@ def test_tensor_parallel_2_matches_the_reference(float_models, checkpoints, tmp_
     name = "qwen3-W4A8_DYNAMIC"
     tp2 = run_engine_tp2(checkpoints[name], PROMPTS[:2], tmp_path)
     ref = reference_model(float_models["qwen3_moe"], checkpoints[name], tp=2)
-    for prompt, (tokens, logprobs) in zip(PROMPTS, tp2):
-        rl = _logprobs(ref, prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert rl[i, t] >= rl[i].max() - LOGPROB_TOL, (prompt, i, t, rl[i].argmax().item())
-            assert abs(lp - rl[i, t].item()) < LOGPROB_TOL, (i, lp, rl[i, t].item())
+    assert_follows(ref, PROMPTS, tp2, LOGPROB_TOL, "tp=2")
 
 
 def test_float_experts_are_left_to_vllm(workdir, float_models):
@@ -197,10 +182,7 @@ def test_float_experts_are_left_to_vllm(workdir, float_models):
     generated, served = run_engine(path)
     assert [s["method"] for s in served] == ["UnquantizedFusedMoEMethod"] * 2, served
     float_lm = AutoModelForCausalLM.from_pretrained(float_models["qwen3_moe"], dtype=torch.float32).eval()
-    for prompt, (tokens, logprobs) in zip(PROMPTS, generated):
-        f = _logprobs(float_lm, prompt, tokens)
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            assert f[i, t] >= f[i].max() - LOGPROB_TOL and abs(lp - f[i, t].item()) < LOGPROB_TOL, (prompt, i)
+    assert_follows(float_lm, PROMPTS, generated, LOGPROB_TOL, "FLOAT experts")
 
 
 def test_moe_op_has_a_fake_and_needs_a_forward_context():
