@@ -278,3 +278,43 @@ def test_finalized_int8_linear_keeps_one_copy(out_dtype, with_bias):
         xb = x.to(torch.bfloat16)
         assert torch.equal(pl(xb, bias if bias is None else bias.to(torch.bfloat16)),
                            ref(xb, bias if bias is None else bias.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC"])
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, False), (torch.bfloat16, True),
+                                                 (torch.float32, True)])
+def test_traced_int8_linear_equals_the_eager_call(scheme, out_dtype, with_bias):
+    """Where the cpu backend says a finalized dynamic int8 Linear is torch ops only
+    (`traceable`: oneDNN, VNNI CPUs), torch.compile traces it whole (fullgraph: the C quantizer
+    would break the graph) and inductor's compiled quantizer gives the eager call's outputs bit
+    for bit, on rounding boundaries of x / s_t, for token counts 1 to 33 in one dynamic graph.
+    Elsewhere (no VNNI: our own GEMM, which keeps integers and calls C) it is not traceable."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 40, 3 * 255 + 7
+    w_q, s = numerics.quantize_weight(torch.randn(n, k, generator=g), 4 if scheme == "W4A8_DYNAMIC" else 8)
+    t = {"weight": numerics.pack_int4(w_q) if scheme == "W4A8_DYNAMIC" else w_q, "weight_scale": s.float(),
+         "weight_offset": torch.zeros_like(s)}
+    b = CpuBackend()
+    pl = PreparedLinear.build(scheme, t, backend=b, dtype=out_dtype)
+    ref = PreparedLinear.build(scheme, t, backend=REF, dtype=out_dtype)
+    b.finalize_linear(pl, out_dtype, with_bias)
+    if not b.use_onednn:
+        assert not b.traceable(pl)
+        return
+    assert b.traceable(pl)
+    bias = torch.randn(n, generator=g).to(out_dtype) if with_bias else None
+    torch._dynamo.reset()           # one code object for every parameter set: no recompile limit
+    compiled = torch.compile(lambda x: pl(x, bias), fullgraph=True, dynamic=True)
+    for m in (1, 7, 33):
+        x = torch.cat([_boundary_rows(m, seed=m)] * 4, 1)[:, :k].to(out_dtype)
+        eager = pl(x, bias)
+        assert torch.equal(compiled(x), eager), (scheme, out_dtype, m)
+        torch.testing.assert_close(eager, ref(x, bias), rtol=1e-5, atol=1e-3)    # oneDNN's bias epilogue rounds its own way
+
+
+def _boundary_rows(rows: int, seed: int) -> torch.Tensor:
+    """[rows, 255]: each row's max first, then values at (j + 1/2) * s_t, where x / s_t and
+    x * (1 / s_t) round to different integers."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.rand(rows, 1, generator=g) * 20 + 1e-3
+    return torch.cat([amax, (torch.arange(-127, 127).float() + 0.5) * (amax / 127)], 1)

@@ -160,14 +160,20 @@ def _compiled_variants() -> dict[str, tuple[str, dict[str, str]]]:
 COMPILED = _compiled_variants()
 
 
+def _traced_linears(model) -> list[str]:
+    """The quantized Linears that compiled mode traces instead of calling the opaque op."""
+    return sorted(name for name, m in model.named_modules() if getattr(m, "ascend_traceable", False))
+
+
 @pytest.fixture(scope="module")
 def compiled_generations(checkpoints, generations):
+    """variant -> (greedy tokens and log-probs, the traced Linears' names)."""
     out = {}
     for variant, (name, env) in COMPILED.items():
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            out[variant] = run_engine(checkpoints[name], enforce_eager=False)
+            out[variant] = run_engine(checkpoints[name], enforce_eager=False, inspect=_traced_linears)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -179,12 +185,25 @@ def compiled_generations(checkpoints, generations):
 
 @pytest.mark.parametrize("variant", list(COMPILED))
 def test_compiled_mode_gives_the_eager_tokens(variant, checkpoints, generations, compiled_generations):
-    """Our kernels are one opaque custom op each, so dynamo traces the model around them: the same
-    greedy tokens as eager and log-probs within float noise (inductor fuses the float parts)."""
+    """Our kernels are one opaque custom op each (or traced, where CpuBackend.traceable says they are
+    torch ops only), so dynamo traces the model around them: the same greedy tokens as eager and log-probs within float noise (inductor fuses the float parts)."""
     name, _env = COMPILED[variant]
-    for (tok_c, lp_c), (tok_e, lp_e) in zip(compiled_generations[variant], generations[name]):
+    for (tok_c, lp_c), (tok_e, lp_e) in zip(compiled_generations[variant][0], generations[name]):
         assert tok_c == tok_e, (variant, tok_c, tok_e)
         assert max(abs(a - b) for a, b in zip(lp_c, lp_e)) < LOGPROB_TOL, (variant, lp_c, lp_e)
+
+
+def test_compiled_mode_traces_the_onednn_linears(compiled_generations):
+    """With oneDNN (VNNI CPUs) mixed_a's dynamic int8 Linears (W8A8_DYNAMIC, per-channel W4A8)
+    are traced into the compiled graph (CpuBackend.traceable), the others stay opaque ops; with
+    our own exact-f32 GEMM (forced, and on CPUs without VNNI) none is traced."""
+    from ascend_quant.runtime.kernels.cpu import default_gemm
+
+    dynamic = [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
+    assert compiled_generations["mixed_a"][1] == (dynamic if default_gemm() == "onednn" else [])
+    if "mixed_a-f32" in compiled_generations:
+        assert compiled_generations["mixed_a-f32"][1] == []
+    assert compiled_generations["mixed_b"][1] == []
 
 
 def test_compiled_engine_traces_our_op():

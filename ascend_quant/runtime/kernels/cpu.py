@@ -417,7 +417,9 @@ class CpuBackend(ReferenceBackend):
         pass for the max, one for the IEEE division and rounding). vLLM's own quantizer
         multiplies by 1 / s_t, which rounds a boundary value the other way now and then; on a
         real model one such flip grows into a different greedy continuation."""
-        if self.gemv_lib is None or x.dtype not in (torch.float32, torch.bfloat16):
+        if torch.compiler.is_compiling() or self.gemv_lib is None or x.dtype not in (torch.float32, torch.bfloat16):
+            # traced (see `traceable`): numerics' own torch ops, which inductor compiles into one
+            # fused loop; the same values bit for bit (tests/test_cpu_kernels.py)
             return super().quantize_dynamic(x)
         # vLLM hands 2-D tokens: no reshapes then (each costs ~1 us, a decode step has ~100 calls)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -489,8 +491,9 @@ class CpuBackend(ReferenceBackend):
                 s_a = pertoken_scale            # the quantizer's [m, 1] as it comes
             else:
                 s_a = pertoken_scale.float().reshape(-1, 1).contiguous()
-            vllm_cpu_ops().onednn_scaled_mm(handler, x2, out, s_a, None, None,
-                                            None if bias is None else bias.float().contiguous())
+            # vLLM's op itself, not its Python wrapper: this branch is traced in compiled mode
+            torch.ops._C.onednn_scaled_mm(out, x2, s_a, None, None, None if bias is None else bias.float().contiguous(),
+                                          handler.handler_tensor)
             if dt != out_dtype:
                 out = out.to(out_dtype)
             return out if x_q.dim() == 2 else out.reshape(*lead, -1)
@@ -506,6 +509,16 @@ class CpuBackend(ReferenceBackend):
                 part = (x[:, start:end] @ w.chunk(start, end)).to(torch.int32)
                 acc = part if acc is None else acc + part
         return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
+
+    def traceable(self, linear) -> bool:
+        """Whether `linear`'s forward is torch ops only, so that vLLM's compiled mode may trace it
+        instead of calling it through the opaque `ascend_quant::linear` op (a Python call per
+        Linear, ~7 us of a decode step's ~120): a dynamic-activation int8 weight finalized to its
+        oneDNN handler (`finalize_linear`), where the forward is the quantizer (numerics' torch
+        ops when traced) and vLLM's `onednn_scaled_mm`, both of which inductor keeps."""
+        w = linear.prepared
+        return (linear.scheme.activation_mode == "dynamic" and isinstance(w, CpuInt8Weight)
+                and w.onednn is not None and len(w.onednn) == 1 and not w.holds_integers())
 
     @staticmethod
     def _onednn_handler(w: CpuInt8Weight, dt: torch.dtype):

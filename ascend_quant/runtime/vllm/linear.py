@@ -19,6 +19,8 @@ A spec's `on_load` (deq_scale: either stored encoding to float32) wraps the weig
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ascend_quant.runtime import kernels
@@ -42,6 +44,10 @@ from vllm.model_executor.parameter import (
 )
 
 logger = init_logger(__name__)
+
+# "0": compiled mode calls every quantized Linear through the opaque `ascend_quant::linear` op,
+# also those whose backend could be traced (CpuBackend.traceable)
+TRACE_ENV = "ASCEND_QUANT_VLLM_TRACE"
 
 
 def refuse_bad_values(layer: torch.nn.Module, prefix: str, scheme: str, shards: list[str] | None = None) -> None:
@@ -162,12 +168,18 @@ class AscendQuantLinearMethod(LinearMethodBase):
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if hasattr(layer, "input_bias"):
             layer.input_bias_cast = layer.input_bias.data.to(layer.params_dtype)
+        # compiled mode traces the forward where the backend says it is torch ops only; the
+        # switch forces the opaque op everywhere (to compare, or if a trace misbehaves)
+        traceable = getattr(b, "traceable", None)
+        layer.ascend_traceable = (os.environ.get(TRACE_ENV, "1") != "0"
+                                  and bool(traceable and traceable(layer.ascend_qlinear)))
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.norm_bias:
             x = x + layer.input_bias_cast
-        if torch.compiler.is_compiling():
-            # one opaque custom op: vLLM's compiled mode must not trace into the kernels
+        if torch.compiler.is_compiling() and not layer.ascend_traceable:
+            # one opaque custom op: vLLM's compiled mode must not trace into the kernels, unless
+            # the backend says they are torch ops only (CpuBackend.traceable)
             return torch.ops.ascend_quant.linear(x, bias, layer.ascend_op_key, layer.ascend_qlinear.n)
         # eager: the same forward without the op's dispatch and forward-context lookup
         # (measured ~10 us a call, a few percent of a small model's decode step)
