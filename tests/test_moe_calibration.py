@@ -394,3 +394,17 @@ def test_a_calibrated_moe_checkpoint_serves_in_vllm_like_the_reference(family, s
     _calibrate(tiny[family], out, recipes.preset(scheme, 0 if scheme == "w4a8" else None), calib_jsonl)
     assert verify(out).ok
     assert_matches_reference(out, run_engine(out), family)
+
+
+def test_zero_points_are_for_dense_linears_only(tmp_path, tiny, calib_jsonl):
+    """W4A16 with `weights: {symmetric: false}`: the attention Linears get zero points, the
+    routed experts stay symmetric (all-zero weight_offset: vllm-ascend's W4A16 MoE layout)."""
+    rec = recipes.preset("w4a16", 32)
+    rec.weights = recipes.Weights(symmetric=False)
+    out = tmp_path / "asym"
+    _calibrate(tiny["qwen3_moe"], out, rec, calib_jsonl)
+    assert verify(out).ok
+    ckpt = read_checkpoint(out)
+    assert ckpt.tensor("model.layers.1.self_attn.q_proj.weight_offset").any()
+    experts = [n for n in ckpt.infos if ".experts." in n and n.endswith("weight_offset")]
+    assert experts and not any(ckpt.tensor(n).any() for n in experts)

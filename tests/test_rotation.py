@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from ascend_quant import numerics
 from ascend_quant.arch import SPECS, spec_for_model
 from ascend_quant.calibration import CalibrationError, job, recipe as recipes
-from ascend_quant.calibration.rotation import rotate_model, rotation_map
+from ascend_quant.calibration.rotation import refusal as rotation_refusal, rotate_model, rotation_map
 from ascend_quant.cli.main import cli
 from ascend_quant.formats.verify import verify
 from ascend_quant.runtime.reference_model import load_reference_model
@@ -171,6 +171,34 @@ def test_gemma_is_refused_with_one_line(tmp_path, saved, calib_jsonl):
     assert lines[-1].startswith("Error: gemma: no offline rotation: post-norms (post_attention_layernorm, "
                                 "post_feedforward_layernorm)"), result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_rotation_where_supported_skips_gemma_and_rotates_llama(tmp_path, saved, calib_jsonl):
+    """`rotation: {where_supported: true}` (the 4-bit presets' form): Gemma, where R1 is no
+    equivalence, is calibrated unrotated, with the reason in the record and no rotation in
+    the saved recipe; `refusal` changes nothing; Llama is rotated as with a plain rotation."""
+    model = _random_model("gemma3")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert rotation_refusal(model, spec_for_model(model)).startswith("gemma: no offline rotation: post-norms")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    rec = recipes.Recipe("W8A8_DYNAMIC", method="minmax", rotation=recipes.Rotation(where_supported=True))
+    lines = []
+    for family in ("gemma3", "llama"):
+        out = tmp_path / family
+        job.calibrate(str(saved[family]), out, rec, calib_jsonl, num_samples=4, seq_len=32, show_progress=False,
+                      log=lines.append)
+        assert verify(out).ok
+        calib = json.loads((out / "ascend_quant_calibration.json").read_text())
+        recipe_text = (out / "ascend_quant_recipe.yaml").read_text()
+        if family == "gemma3":
+            assert "rotation" not in calib and calib["rotation_skipped"].startswith("gemma: no offline rotation")
+            assert "rotation: null" in recipe_text
+            assert lines[0].startswith("not rotated: post-norms (post_attention_layernorm")
+        else:
+            assert calib["rotation"]["kind"] == "hadamard" and "rotation_skipped" not in calib
+            assert "where_supported: true" in recipe_text
+    model = _random_model("llama")
+    assert rotation_refusal(model, spec_for_model(model)) is None
 
 
 @pytest.mark.parametrize("family,why", [("glm4", "post-norms"), ("qwen3_moe", "MoE router"),

@@ -9,7 +9,7 @@ import re
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, spec_for_model
 from ascend_quant.arch.spec import config_get
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.recipe import Recipe
-from ascend_quant.calibration.rotation import rotate_model, untie_config
+from ascend_quant.calibration.rotation import refusal as rotation_refusal, rotate_model, untie_config
 from ascend_quant.calibration.runner import LayerReport, quantize_model
 from ascend_quant.schemes import FLOAT, SCHEMES, QuantizedLinear, checkpoint_entries, kv_entries
 
@@ -256,8 +256,14 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     # layers stored after the model's own (MTP): copied as they are (refused now if quantized)
     source_files = loaded.stream.files if loaded.stream is not None else _weight_files(local)
     extra = extra_layer_tensors(model, source_files, source_dtype) if source_files else {}
-    rotated = None
-    if rotation is not None:
+    rotated = skipped_rotation = None
+    if rotation is not None and rotation.where_supported:
+        skipped_rotation = rotation_refusal(model, spec, rotation.kind, rotation.r2)
+    if skipped_rotation:              # a preset's rotation where the family takes none: unrotated
+        why = skipped_rotation.split("no offline rotation: ", 1)[-1].removesuffix("; calibrate without rotation")
+        (log or (lambda line: None))(f"not rotated: {why}")
+        recipe = replace(recipe, rotation=None)
+    elif rotation is not None:
         rotated = rotate_model(model, spec, rotation.kind, rotation.r2, rotation.seed)
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
@@ -334,6 +340,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
                  "ascend_quant_calibration.json": json.dumps(
                      {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
                       **({"rotation": rotated} if rotated is not None else {}),
+                      **({"rotation_skipped": skipped_rotation} if skipped_rotation else {}),
                       **({"budget": budget_report} if budget_report is not None else {}),
                       "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                                   "errors": r.errors, "smoothquant_alphas": r.alphas,

@@ -121,6 +121,10 @@ class Rotation:
     kind: str = "hadamard"
     r2: bool = True                   # also the per-head rotation of v_proj rows / o_proj columns
     seed: int = 0                     # the random signs (or matrices)
+    # True: only where the family takes an offline rotation (calibration/rotation.py); elsewhere
+    # (post-norm Gemma, GLM-4, MoE, discovered) the model is calibrated unrotated and the
+    # calibration record says why. False: a refusal is an error
+    where_supported: bool = False
 
 
 @dataclass

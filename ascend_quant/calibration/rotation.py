@@ -69,21 +69,61 @@ def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     param.data.copy_(value.to(param.device, param.dtype))
 
 
-@torch.no_grad()
-def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard", r2: bool = True,
-                 seed: int = 0) -> dict:
-    """Rotate the float model in place (module docstring); returns what was done, for the
-    calibration record."""
+def refusal(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard", r2: bool = True) -> str | None:
+    """Why `rotate_model` would refuse this model (one line), or None; it changes nothing, so a
+    recipe whose rotation applies only where it can (`Rotation.where_supported`, the 4-bit
+    presets) asks first and calibrates unrotated otherwise."""
+    try:
+        _check(model, spec, kind, r2)
+    except CalibrationError as e:
+        return str(e)
+    return None
+
+
+def _check(model: torch.nn.Module, spec: ArchSpec, kind: str, r2: bool) -> ResidualRotation:
+    """Every refusal of `rotate_model`, before it changes anything."""
     rmap = rotation_map(spec)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if emb is None or head is None:
         raise CalibrationError(f"{spec.name}: no offline rotation: the model has no separate embeddings and head")
-    gen = torch.Generator().manual_seed(seed)
     d = emb.weight.shape[1]
     try:
-        q = numerics.orthogonal_rotation(d, kind, gen)       # the first draw: `residual_rotation` repeats it
+        numerics.orthogonal_rotation(d, kind, torch.Generator().manual_seed(0))
     except ValueError as e:
         raise CalibrationError(f"rotation of hidden size {d}: {e}") from None
+    norms = {g.producer for g in spec.groups if g.producer_kind == "rmsnorm"}
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for i, layer in enumerate(spec.layers(model)):
+        for norm_name in sorted(norms):
+            if getattr(layer.get_submodule(norm_name), "bias", None) is not None:
+                raise CalibrationError(f"{spec.name}: no offline rotation: layer {i} {norm_name} has a bias")
+        if r2:
+            v, o = layer.get_submodule(rmap.value), layer.get_submodule(rmap.output)
+            head_dim = v.weight.shape[0] // kv_heads
+            if v.weight.shape[0] != kv_heads * head_dim or o.weight.shape[1] != heads * head_dim \
+                    or heads % kv_heads:
+                raise CalibrationError(f"{spec.name}: no R2 rotation: layer {i} {rmap.value} has "
+                                       f"{v.weight.shape[0]} rows and {rmap.output} {o.weight.shape[1]} "
+                                       f"columns for {heads} heads / {kv_heads} KV heads")
+            try:
+                numerics.orthogonal_rotation(head_dim, kind, torch.Generator().manual_seed(0))
+            except ValueError as e:
+                raise CalibrationError(f"R2 rotation of head_dim {head_dim}: {e}") from None
+    return rmap
+
+
+@torch.no_grad()
+def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard", r2: bool = True,
+                 seed: int = 0) -> dict:
+    """Rotate the float model in place (module docstring); returns what was done, for the
+    calibration record. Every refusal comes before the first change (`_check`)."""
+    rmap = _check(model, spec, kind, r2)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    gen = torch.Generator().manual_seed(seed)
+    d = emb.weight.shape[1]
+    q = numerics.orthogonal_rotation(d, kind, gen)       # the first draw: `residual_rotation` repeats it
     tied = head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr()
     if tied:
         head.weight = torch.nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
@@ -100,8 +140,6 @@ def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard",
     for i, layer in enumerate(spec.layers(model)):
         for norm_name, linears in readers.items():
             norm = layer.get_submodule(norm_name)
-            if getattr(norm, "bias", None) is not None:
-                raise CalibrationError(f"{spec.name}: no offline rotation: layer {i} {norm_name} has a bias")
             gain = _cpu(norm.weight)
             for name in linears:
                 lin = layer.get_submodule(name)
@@ -115,15 +153,7 @@ def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard",
         if r2:
             v, o = layer.get_submodule(rmap.value), layer.get_submodule(rmap.output)
             head_dim = v.weight.shape[0] // kv_heads
-            if v.weight.shape[0] != kv_heads * head_dim or o.weight.shape[1] != heads * head_dim \
-                    or heads % kv_heads:
-                raise CalibrationError(f"{spec.name}: no R2 rotation: layer {i} {rmap.value} has "
-                                       f"{v.weight.shape[0]} rows and {rmap.output} {o.weight.shape[1]} "
-                                       f"columns for {heads} heads / {kv_heads} KV heads")
-            try:
-                rs = torch.stack([numerics.orthogonal_rotation(head_dim, kind, gen) for _ in range(kv_heads)])
-            except ValueError as e:
-                raise CalibrationError(f"R2 rotation of head_dim {head_dim}: {e}") from None
+            rs = torch.stack([numerics.orthogonal_rotation(head_dim, kind, gen) for _ in range(kv_heads)])
             _set(v.weight, numerics.rotate_head_rows(_cpu(v.weight), rs))
             if v.bias is not None:
                 _set(v.bias, numerics.rotate_head_rows(_cpu(v.bias), rs))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,7 +32,7 @@ from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
                                             observe_activations, quantize_linears, smooths)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
-from ascend_quant.calibration.recipe import Recipe
+from ascend_quant.calibration.recipe import Recipe, Weights
 from ascend_quant.calibration.smoothquant import apply_smoothing
 from ascend_quant.schemes import SCHEMES, QuantizedLinear, is_float
 
@@ -172,6 +172,9 @@ class _GroupHook:
         s = None
         expert = self.experts is not None
         group_size = 0 if expert and _activations_quantized(quantized) else None      # per-channel experts
+        if expert and not recipe.weights.symmetric:
+            # zero points are for dense Linears: vllm-ascend's W4A16 experts have no weight_offset
+            recipe = replace(recipe, weights=Weights(symmetric=True))
         if self.awq:
             self.alpha, s = choose_awq(flat, weights, quantized, recipe, self.prefix, group_size)
         elif self.smoothed:
