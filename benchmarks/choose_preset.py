@@ -15,6 +15,13 @@ instead of min-max. The preset in use when this was written is one more candidat
 
     nice -n 19 python benchmarks/choose_preset.py --threads 1
     -> benchmarks/results/choose_preset.{json,md}
+
+Other schemes and recipes (rotation, AWQ: the model changes, so the mixed model above cannot
+score them) go through the CLI on the same split:
+
+    python benchmarks/choose_preset.py --write-split SPLIT
+    ascend-quant calibrate -o OUT --recipe benchmarks/recipes/R.yaml --dataset SPLIT/fit.jsonl --threads 1
+    ascend-quant eval --quantized OUT --dataset SPLIT/select.jsonl --tokens 16384 --threads 1
 """
 
 from __future__ import annotations
@@ -156,7 +163,19 @@ def main() -> None:
     ap.add_argument("--select-tokens", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/choose_preset")
+    ap.add_argument("--write-split", metavar="DIR", default=None,
+                    help="only write the fit and selection paragraphs as DIR/fit.jsonl and DIR/select.jsonl "
+                         "(for `ascend-quant calibrate --dataset` / `eval --dataset` on other recipes) and stop")
     args = ap.parse_args()
+    if args.write_split:
+        from ascend_quant.calibration.data import load_texts
+
+        folder = Path(args.write_split)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, texts in zip(("fit", "select"), split_texts(load_texts(None, "calibration"))):
+            (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        print(f"wrote {folder / 'fit.jsonl'} and {folder / 'select.jsonl'}")
+        return
 
     import torch
 
