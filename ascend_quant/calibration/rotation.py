@@ -95,6 +95,7 @@ def _check(model: torch.nn.Module, spec: ArchSpec, kind: str, r2: bool) -> Resid
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dims = set()
     for i, layer in enumerate(spec.layers(model)):
         for norm_name in sorted(norms):
             if getattr(layer.get_submodule(norm_name), "bias", None) is not None:
@@ -107,10 +108,12 @@ def _check(model: torch.nn.Module, spec: ArchSpec, kind: str, r2: bool) -> Resid
                 raise CalibrationError(f"{spec.name}: no R2 rotation: layer {i} {rmap.value} has "
                                        f"{v.weight.shape[0]} rows and {rmap.output} {o.weight.shape[1]} "
                                        f"columns for {heads} heads / {kv_heads} KV heads")
-            try:
-                numerics.orthogonal_rotation(head_dim, kind, torch.Generator().manual_seed(0))
-            except ValueError as e:
-                raise CalibrationError(f"R2 rotation of head_dim {head_dim}: {e}") from None
+            head_dims.add(head_dim)
+    for head_dim in sorted(head_dims):          # one trial draw per size, not per layer
+        try:
+            numerics.orthogonal_rotation(head_dim, kind, torch.Generator().manual_seed(0))
+        except ValueError as e:
+            raise CalibrationError(f"R2 rotation of head_dim {head_dim}: {e}") from None
     return rmap
 
 
