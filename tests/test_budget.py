@@ -127,6 +127,8 @@ def test_budget_json_is_one_document(tmp_path, sensitive, calib_jsonl, kv):
     data = json.loads(res.stdout)
     assert data["budget"]["fallback"] == "FLOAT" and data["budget"]["after"]["increase_pct"] <= 50
     assert data["num_samples"] == 6          # 2 of 8 rows held out
+    # the preset rotates this Llama: the mixed model, the reloads and the written checkpoint alike
+    assert json.loads((out / "ascend_quant_calibration.json").read_text())["rotation"]["kind"] == "hadamard"
     # the smoothed W8A8_DYNAMIC checkpoint (factors folded into norms and up_proj rows; C8 too)
     # scored by the reference model equals what the budget's mixed-model simulation reported
     written = _increase(out, sensitive, _held_out(sensitive, calib_jsonl, 8), kv_cache=kv)

@@ -201,6 +201,43 @@ def test_rotation_where_supported_skips_gemma_and_rotates_llama(tmp_path, saved,
     assert rotation_refusal(model, spec_for_model(model)) is None
 
 
+def test_the_w8a8_dynamic_preset_rotates_where_supported(tmp_path, saved, calib_jsonl):
+    """No flags: the W8A8_DYNAMIC preset rotates the Llama and skips Gemma (no error);
+    --no-rotate turns it off; --rotate on Gemma is an error (tested above)."""
+    common = ["--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32", "--threads", "1"]
+    for family, flags, rotated in (("llama", [], True), ("llama", ["--no-rotate"], False), ("gemma3", [], False)):
+        out = tmp_path / f"{family}{'-'.join(flags)}"
+        result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), *flags, *common])
+        assert result.exit_code == 0, result.output
+        calib = json.loads((out / "ascend_quant_calibration.json").read_text())
+        assert ("rotation" in calib) is rotated, (family, flags)
+        if family == "llama":             # its source ties the head to the embeddings
+            assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is (not rotated)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_streamed_rotation_writes_what_the_whole_model_rotation_writes(family, tmp_path, saved, calib_jsonl,
+                                                                       monkeypatch):
+    """The calibration streams a rotated model (each tensor rotated as it is read: the layers,
+    the calibration tokens' embedding rows, what the writer reads again); loading the whole
+    model and rotating it at once must give the same checkpoint, bit for bit."""
+    rec = recipes.Recipe("W8A8_DYNAMIC", method="gptq", rotation=recipes.Rotation(seed=3),
+                         smoothquant=recipes.SmoothQuant(alpha=0.5))
+    streamed, whole = tmp_path / "streamed", tmp_path / "whole"
+    job.calibrate(str(saved[family]), streamed, rec, calib_jsonl, num_samples=4, seq_len=32, show_progress=False)
+    load = job.load_model
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: load(*a, **{**k, "stream": False}))
+    job.calibrate(str(saved[family]), whole, rec, calib_jsonl, num_samples=4, seq_len=32, show_progress=False)
+    a, b = {}, {}
+    for folder, tensors in ((streamed, a), (whole, b)):
+        for f in folder.glob("*.safetensors"):
+            tensors.update(load_file(f))
+    assert a.keys() == b.keys() and "lm_head.weight" in a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    calib = [json.loads((f / "ascend_quant_calibration.json").read_text()) for f in (streamed, whole)]
+    assert calib[0]["rotation"] == calib[1]["rotation"]
+
+
 @pytest.mark.parametrize("family,why", [("glm4", "post-norms"), ("qwen3_moe", "MoE router"),
                                         ("phi3", "declares no rotation map")])
 def test_other_families_without_an_equivalence_are_refused(family, why):

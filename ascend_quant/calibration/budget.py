@@ -87,9 +87,6 @@ def check_supported(recipe: Recipe, spec: ArchSpec) -> None:
     if spec.moe is not None:
         raise CalibrationError(f"{spec.name}: --max-ppl-increase is for dense models (a MoE layer's experts "
                                "take one scheme); use recipe overrides there")
-    if recipe.rotation is not None:
-        raise CalibrationError("--max-ppl-increase with a rotation is not supported yet (the mixed-model "
-                               "simulation runs the unrotated float model)")
 
 
 def split_rows(samples: Samples) -> tuple[Samples, Samples]:

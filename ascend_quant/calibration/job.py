@@ -18,7 +18,8 @@ from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, spec_for_model
 from ascend_quant.arch.spec import config_get
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.recipe import Recipe
-from ascend_quant.calibration.rotation import refusal as rotation_refusal, rotate_model, untie_config
+from ascend_quant.calibration.rotation import (RotationPlan, refusal as rotation_refusal, rotate_model,
+                                               untie_config)
 from ascend_quant.calibration.runner import LayerReport, quantize_model
 from ascend_quant.schemes import FLOAT, SCHEMES, QuantizedLinear, checkpoint_entries, kv_entries
 
@@ -221,6 +222,16 @@ def load_model(model_id: str, device: str = "cpu", stream: bool = True) -> Loade
     return LoadedModel(tokenizer, model, source_dtype, local, streamed)
 
 
+def rotated_model(loaded: LoadedModel, spec: ArchSpec, rotation) -> dict:
+    """Fold the recipe's rotation into a loaded model: a streamed one rotates each tensor as it
+    is read (StreamedModel.rotate), a whole one at once; the record of what was done."""
+    if loaded.stream is None:
+        return rotate_model(loaded.model, spec, rotation.kind, rotation.r2, rotation.seed)
+    plan = RotationPlan(loaded.model, spec, rotation.kind, rotation.r2, rotation.seed)
+    loaded.stream.rotate(plan)
+    return plan.record
+
+
 def _snapshot_dir(model_id: str) -> str:
     from huggingface_hub import snapshot_download
     return snapshot_download(model_id, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.safetensors"])
@@ -245,8 +256,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     start = time.perf_counter()
     torch.manual_seed(seed)
     rotation = recipe.rotation
-    # a rotation changes every layer and the embeddings at once: the whole float model, not streamed
-    loaded = load_model(model_id, device, stream=rotation is None)
+    loaded = load_model(model_id, device)
     tokenizer, model, source_dtype, local = loaded.tokenizer, loaded.model, loaded.source_dtype, loaded.local
     spec = spec_for_model(model)      # fail early on an unsupported architecture
     if budget is not None:            # and on a budget it cannot meet by construction
@@ -264,7 +274,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         (log or (lambda line: None))(f"not rotated: {why}")
         recipe = replace(recipe, rotation=None)
     elif rotation is not None:
-        rotated = rotate_model(model, spec, rotation.kind, rotation.r2, rotation.seed)
+        rotated = rotated_model(loaded, spec, rotation)
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
     per_sample = recipe.activations.observer == "running" or (
@@ -310,12 +320,23 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
             unused = [loaded]
 
             def calibrate_on(rec: Recipe):
-                ld = unused.pop() if unused else load_model(model_id, device)
+                if unused:
+                    ld = unused.pop()
+                else:                            # a fresh model, rotated as the first one was
+                    ld = load_model(model_id, device)
+                    if rotated is not None:
+                        rotated_model(ld, spec, rotation)
                 return budgets.Run(ld, *quantize(ld, rec))
+
+            def float_model():                   # the mixed model's float Linears: rotated as calibrated
+                ld = load_model(model_id, device, stream=False)
+                if rotated is not None:
+                    rotated_model(ld, spec, rotation)
+                return ld.model
 
             recipe, run, budget_report = budgets.select(
                 recipe, budget, spec, Samples(held.ids.to(device), held.valid.to(device), held.position_ids.to(device)),
-                source_dtype, calibrate_on, lambda: load_model(model_id, device, stream=False).model,
+                source_dtype, calibrate_on, float_model,
                 log or (lambda line: None))
             loaded, results, kv_scales, reports = run.loaded, run.results, run.kv_scales, run.reports
             model = loaded.model

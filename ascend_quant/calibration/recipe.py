@@ -13,7 +13,7 @@ overrides matched with shell-style patterns on the module name:
     weights: {symmetric: false}   # zero points (W4A16 only)
     kv_cache: {dtype: int8, method: mse}
     moe: {tokens: routed, min_tokens: 32}        # MoE experts (see MoE below)
-    rotation: {kind: hadamard, r2: true, seed: 0}  # offline R1/R2 first (calibration/rotation.py)
+    rotation: {kind: hadamard, r2: true, seed: 0, where_supported: false}  # offline R1/R2 first (rotation.py)
     ignore: ["lm_head"]           # module patterns left in float
     float_groups: [down]          # Linear groups left in float, by role (qkv, o, gate_up, down)
     overrides:
@@ -298,9 +298,10 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: moe.tokens must be routed or all, moe.min_tokens a count >= 0")
     rot = recipe.rotation
     if rot and (rot.kind not in ("hadamard", "random") or not isinstance(rot.r2, bool)
-                or not isinstance(rot.seed, int) or isinstance(rot.seed, bool)):
-        raise RecipeError(f"{where}: rotation.kind must be hadamard or random, rotation.r2 true or false, "
-                          "rotation.seed an integer")
+                or not isinstance(rot.seed, int) or isinstance(rot.seed, bool)
+                or not isinstance(rot.where_supported, bool)):
+        raise RecipeError(f"{where}: rotation.kind must be hadamard or random, rotation.r2 and "
+                          "rotation.where_supported true or false, rotation.seed an integer")
     groups = {g.name for spec in FAMILIES
               for g in spec.groups + ((spec.moe.groups + spec.moe.shared_groups) if spec.moe else ())}
     if set(recipe.float_groups) - groups:

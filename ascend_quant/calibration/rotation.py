@@ -26,9 +26,10 @@ arch/): post-norms on o_proj / down_proj outputs (Gemma, GLM-4), (1+w) or biased
 MoE routers or an undeclared (discovered) layout are refused with one message.
 
 The result is an ordinary float model (all-ones norms, rotated weights, an untied
-lm_head): every runtime serves the calibrated checkpoint unchanged. Rotation needs the
-whole float model at once, so the calibration job loads it whole instead of streaming
-layers (calibration/job.py).
+lm_head): every runtime serves the calibrated checkpoint unchanged. Each rotated tensor is a
+function of a few unrotated ones (a Linear and the norm it reads, the head and the final
+norm; `RotationPlan`), so a streamed calibration rotates each layer as it reads it
+(calibration/streaming.py) and the whole float model is never needed at once.
 """
 
 from __future__ import annotations
@@ -58,11 +59,6 @@ def rotation_map(spec: ArchSpec) -> ResidualRotation:
     if why:
         raise CalibrationError(f"{spec.name}: no offline rotation: {why}; calibrate without rotation")
     return spec.rotation
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """The arithmetic runs on the CPU in float64, whatever device the model is on."""
-    return t.detach().to("cpu", torch.float64)
 
 
 def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -117,56 +113,150 @@ def _check(model: torch.nn.Module, spec: ArchSpec, kind: str, r2: bool) -> Resid
     return rmap
 
 
+class RotationPlan:
+    """One rotation of one model, drawn once: Q, then each layer's R2 matrices (the order the
+    generator has always been drawn in, so a record's seed redraws Q), and the rule that
+    rotates a tensor by its state-dict name. The whole-model rotation (`rotate_model`) and the
+    streamed one (calibration/streaming.py, which rotates each tensor as it is read) share
+    it, so both give the same checkpoint. Every refusal comes first (`_check`)."""
+
+    def __init__(self, model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard", r2: bool = True,
+                 seed: int = 0):
+        self.rmap = rmap = _check(model, spec, kind, r2)
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        names = {id(m): n for n, m in model.named_modules()}
+        self.embedding, self.head = f"{names[id(emb)]}.weight", f"{names[id(head)]}.weight"
+        self.final_norm = f"{rmap.final_norm}.weight"
+        self.layers = spec.layers_path + "."
+        self.tied = head.weight is emb.weight
+        gen = torch.Generator().manual_seed(seed)
+        d = emb.weight.shape[1]
+        self.q = numerics.orthogonal_rotation(d, kind, gen)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.group = heads // kv_heads
+        self.norm_of: dict[str, str] = {}          # a Linear reading a norm -> that norm
+        for g in spec.groups:
+            if g.producer_kind == "rmsnorm":
+                self.norm_of.update(dict.fromkeys(g.linears, g.producer))
+        self.r2: list[torch.Tensor] = []           # per layer, [kv_heads, head_dim, head_dim]
+        head_dim = None
+        if r2:
+            for layer in spec.layers(model):
+                head_dim = layer.get_submodule(rmap.value).weight.shape[0] // kv_heads
+                self.r2.append(torch.stack([numerics.orthogonal_rotation(head_dim, kind, gen)
+                                            for _ in range(kv_heads)]))
+        self.record = {"kind": kind, "seed": seed, "hidden_size": d, "r2": bool(r2),
+                       **({"head_dim": head_dim, "kv_heads": kv_heads} if r2 else {}),
+                       "untied_embeddings": bool(self.tied)}
+
+    def _in_layer(self, name: str) -> tuple[int, str, str] | None:
+        """(layer index, module, attribute) of a decoder layer's tensor name, else None."""
+        if not name.startswith(self.layers):
+            return None
+        index, _, rel = name[len(self.layers):].partition(".")
+        module, _, attr = rel.rpartition(".")
+        return int(index), module, attr
+
+    def inputs(self, name: str) -> list[str] | None:
+        """The tensors (state-dict names, unrotated) the rotated `name` is computed from, or
+        None when the rotation leaves it as it is."""
+        if name == self.head:
+            return [name, self.final_norm]
+        if name in (self.embedding, self.final_norm):
+            return [name]
+        where = self._in_layer(name)
+        if where is None:
+            return None
+        i, module, attr = where
+        rmap = self.rmap
+        if attr == "weight" and module in self.norm_of:           # reads x̂·g: the gain folds in
+            return [name, f"{self.layers}{i}.{self.norm_of[module]}.weight"]
+        if attr == "weight" and module in self.norm_of.values():
+            return [name]
+        if module in rmap.writers or (self.r2 and module == rmap.value) or (self.r2 and module == rmap.output
+                                                                            and attr == "weight"):
+            return [name]
+        return None
+
+    def rotated(self, name: str, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`name` rotated, float32, from the unrotated `values` of `inputs(name)`. Each step
+        runs in float64 on blocks of rows (or columns, for Qᵀ·W) and is stored in float32,
+        so a tensor's temporaries stay a fraction of its own size."""
+        t = values[name].detach().to("cpu", torch.float32)
+        q = self.q
+        if name in (self.embedding, self.head):
+            gain = values[self.final_norm].to("cpu", torch.float64) if name == self.head else None
+            return _by_rows(t, lambda w, _: numerics.rotate_input(
+                w if gain is None else numerics.fold_norm_gain(w, gain), q))
+        if name == self.final_norm:
+            return torch.ones(t.shape, dtype=torch.float32)
+        i, module, attr = self._in_layer(name)
+        rmap = self.rmap
+        if module in self.norm_of.values() and attr == "weight":
+            return torch.ones(t.shape, dtype=torch.float32)
+        if module in self.norm_of and attr == "weight":
+            gain = values[f"{self.layers}{i}.{self.norm_of[module]}.weight"].to("cpu", torch.float64)
+            t = _by_rows(t, lambda w, _: numerics.rotate_input(numerics.fold_norm_gain(w, gain), q))
+        if module in rmap.writers:
+            t = _by_columns(t, lambda w: numerics.rotate_output(w, q)) if t.dim() == 2 else \
+                numerics.rotate_output(t.double(), q).float()
+        if self.r2 and module == rmap.value:
+            rs = self.r2[i]
+            d = rs.shape[1]
+            t = _by_rows(t, lambda w, start: numerics.rotate_head_rows(
+                w, rs[start // d:(start + w.shape[0]) // d]), align=d)
+        if self.r2 and module == rmap.output and attr == "weight":
+            t = _by_rows(t, lambda w, _: numerics.rotate_head_columns(w, self.r2[i], self.group))
+        return t
+
+
+def _by_rows(t: torch.Tensor, rule, align: int = 1, elements: int = 1 << 18) -> torch.Tensor:
+    """A rule that treats rows independently (`rule(block, first_row)`, float64 block in, float64
+    out), applied to blocks of about `elements` entries whose row counts are multiples of
+    `align`; float32 result. A vocabulary-sized matrix is never held in float64 whole."""
+    if t.dim() == 1:
+        return rule(t.double(), 0).float()
+    rows = max(align, (elements // max(1, t.shape[1])) // align * align)
+    out = torch.empty(t.shape, dtype=torch.float32)
+    for start in range(0, t.shape[0], rows):
+        out[start:start + rows] = rule(t[start:start + rows].double(), start).float()
+    return out
+
+
+def _by_columns(t: torch.Tensor, rule, elements: int = 1 << 18) -> torch.Tensor:
+    """`_by_rows` for a rule that treats columns independently (Qᵀ·W)."""
+    cols = max(1, elements // max(1, t.shape[0]))
+    out = torch.empty(t.shape, dtype=torch.float32)
+    for start in range(0, t.shape[1], cols):
+        out[:, start:start + cols] = rule(t[:, start:start + cols].double()).float()
+    return out
+
+
 @torch.no_grad()
 def rotate_model(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard", r2: bool = True,
                  seed: int = 0) -> dict:
     """Rotate the float model in place (module docstring); returns what was done, for the
     calibration record. Every refusal comes before the first change (`_check`)."""
-    rmap = _check(model, spec, kind, r2)
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    gen = torch.Generator().manual_seed(seed)
-    d = emb.weight.shape[1]
-    q = numerics.orthogonal_rotation(d, kind, gen)       # the first draw: `residual_rotation` repeats it
-    tied = head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr()
-    if tied:
-        head.weight = torch.nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+    plan = RotationPlan(model, spec, kind, r2, seed)
+    params = dict(model.named_parameters(remove_duplicate=False))      # the head's name too, if tied
+
+    def rotate(names: list[str]) -> None:       # all from the unrotated values, then set
+        names = [n for n in names if plan.inputs(n) is not None]
+        new = {n: plan.rotated(n, {m: params[m].detach() for m in plan.inputs(n)}) for n in names}
+        for n, value in new.items():
+            if n == plan.head and plan.tied:      # the head gets a weight of its own
+                model.get_output_embeddings().weight = torch.nn.Parameter(
+                    value.to(params[n].device, params[n].dtype), requires_grad=False)
+            else:
+                _set(params[n], value)
+
+    rotate([plan.embedding, plan.head, plan.final_norm])
     untie_config(model.config)
-    _set(emb.weight, numerics.rotate_input(_cpu(emb.weight), q))
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = None
-    readers: dict[str, list[str]] = {}          # norm -> the Linears reading it
-    for g in spec.groups:
-        if g.producer_kind == "rmsnorm":
-            readers.setdefault(g.producer, []).extend(g.linears)
-    for i, layer in enumerate(spec.layers(model)):
-        for norm_name, linears in readers.items():
-            norm = layer.get_submodule(norm_name)
-            gain = _cpu(norm.weight)
-            for name in linears:
-                lin = layer.get_submodule(name)
-                _set(lin.weight, numerics.rotate_input(numerics.fold_norm_gain(_cpu(lin.weight), gain), q))
-            norm.weight.fill_(1.0)
-        for name in rmap.writers:
-            lin = layer.get_submodule(name)
-            _set(lin.weight, numerics.rotate_output(_cpu(lin.weight), q))
-            if lin.bias is not None:
-                _set(lin.bias, numerics.rotate_output(_cpu(lin.bias), q))
-        if r2:
-            v, o = layer.get_submodule(rmap.value), layer.get_submodule(rmap.output)
-            head_dim = v.weight.shape[0] // kv_heads
-            rs = torch.stack([numerics.orthogonal_rotation(head_dim, kind, gen) for _ in range(kv_heads)])
-            _set(v.weight, numerics.rotate_head_rows(_cpu(v.weight), rs))
-            if v.bias is not None:
-                _set(v.bias, numerics.rotate_head_rows(_cpu(v.bias), rs))
-            _set(o.weight, numerics.rotate_head_columns(_cpu(o.weight), rs, heads // kv_heads))
-    final = model.get_submodule(rmap.final_norm)
-    _set(head.weight, numerics.rotate_input(numerics.fold_norm_gain(_cpu(head.weight), _cpu(final.weight)), q))
-    final.weight.fill_(1.0)
-    return {"kind": kind, "seed": seed, "hidden_size": d, "r2": bool(r2),
-            **({"head_dim": head_dim, "kv_heads": kv_heads} if r2 else {}),
-            "untied_embeddings": bool(tied)}
+    for i in range(len(spec.layers(model))):
+        rotate([n for n in params if n.startswith(f"{plan.layers}{i}.")])
+    return plan.record
 
 
 def residual_rotation(record: dict) -> torch.Tensor:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ascend_quant import memory
 from ascend_quant.calibration import CalibrationError
 
 
@@ -141,6 +142,7 @@ class StreamedModel:
         from ascend_quant.arch.discovery import find_layers
 
         self.folder, self.device = Path(folder), device
+        self.rotation = None                  # a RotationPlan once `rotate` is called
         self.files = WeightFiles(self.folder)
         config = AutoConfig.from_pretrained(self.folder)
         with init_empty_weights(include_buffers=False):      # parameters on meta, buffers real
@@ -226,7 +228,35 @@ class StreamedModel:
 
     def read(self, names: list[str], dtype: torch.dtype, mapped: bool = False) -> dict[str, torch.Tensor]:
         """Tensors by model state-dict name, from their source (whole, or one expert's slice;
-        `mapped`: see WeightFiles.read)."""
+        `mapped`: see WeightFiles.read), rotated where the model is (`rotate`)."""
+        plan = self.rotation
+        turned = [n for n in names if plan is not None and plan.inputs(n) is not None]
+        out = self._read_stored([n for n in names if n not in turned], dtype, mapped)
+        for n in turned:                      # float32 first, as the whole-model rotation does
+            values = self._read_stored(plan.inputs(n), torch.float32)
+            out[n] = plan.rotated(n, values).to(self.device, dtype)
+        if turned:                            # the float64 temporaries, back to the system
+            memory.trim()
+        return out
+
+    def rotate(self, plan) -> None:
+        """From now on every tensor is read rotated by `plan` (calibration/rotation.py's
+        RotationPlan, drawn on this model): the layers as the calibrator loads them, the
+        embedding rows, and what the writer reads again. A tied head gets a weight of its
+        own, read from the embedding's tensor."""
+        self.rotation = plan
+        if self.tied:
+            head = self.model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(torch.empty(head.weight.shape, device="meta"), requires_grad=False)
+            self.sources[plan.head] = self.sources[plan.embedding]
+            self.outer_names.append(plan.head)
+            self.head_name, self.tied = plan.head, False
+        from ascend_quant.calibration.rotation import untie_config
+        untie_config(self.model.config)
+        self._load([n for n, p in self.model.named_parameters() if not p.is_meta])    # read again, rotated
+
+    def _read_stored(self, names: list[str], dtype: torch.dtype, mapped: bool = False) -> dict[str, torch.Tensor]:
+        """`read` without the rotation: the tensors as the files hold them."""
         direct = {self.sources[n][0]: n for n in names if self.sources[n][1] is None}
         out = {direct[d]: t for d, t in self.files.read(list(direct), dtype, self.device, mapped).items()}
         for n in names:
@@ -290,7 +320,10 @@ class StreamedModel:
         shape = dict(self.model.named_parameters())[name].shape
         rows = torch.unique(ids.reshape(-1).cpu())
         weight = torch.empty(shape, dtype=torch.float32, device=self.device)
-        weight[rows] = self.files.read_rows(disk, rows, torch.float32).to(self.device)
+        values = self.files.read_rows(disk, rows, torch.float32)
+        if self.rotation is not None:         # the rule is row by row: these rows alone
+            values = self.rotation.rotated(name, {name: values})
+        weight[rows] = values.to(self.device)
         self._set(name, weight)
         self._tie()
 

@@ -26,8 +26,10 @@ from ascend_quant.schemes import CLI_NAMES
 @click.option("--ignore", multiple=True, help="Module name pattern left in float (repeatable), e.g. '*.down_proj'.")
 @click.option("--smoothquant-alpha", type=float, default=None, help="One SmoothQuant alpha for every group (0 disables smoothing); replaces the presets' per-group alphas (w8a8-dynamic: fixed per group; w4a8: searched).")
 @click.option("--method", type=click.Choice(["minmax", "gptq"]), default=None, help="Weight rounding algorithm.")
-@click.option("--rotate", is_flag=True, help="Fold a randomized Hadamard rotation (R1 residual, R2 per head) into "
-              "the float model first (the recipe's `rotation`, else hadamard with R2, seed 0); Llama-layout families.")
+@click.option("--rotate/--no-rotate", default=None,
+              help="Fold a randomized Hadamard rotation (R1 residual, R2 per head) into the float model first "
+              "(the recipe's `rotation`, else hadamard with R2, seed 0), refusing a family that takes none; "
+              "--no-rotate: none. Default: the recipe's (w8a8-dynamic: where the family takes one).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
@@ -42,6 +44,7 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
                   no_packing, chat_template, ignore, smoothquant_alpha, method, rotate, device, seed, threads,
                   max_ppl_increase, fallback_scheme, as_json):
     """Calibrate MODEL (a local folder or Hub id; default: the embedded SmolLM2-135M) into OUT."""
+    import dataclasses
     import json
     import math
 
@@ -74,8 +77,10 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
             recipe.ignore = list(dict.fromkeys(recipe.ignore + list(ignore)))
         if kv_cache or kv_method:
             recipe.kv_cache = recipes.KVCache(method=kv_method or "mse")
-        if rotate and recipe.rotation is None:
-            recipe.rotation = recipes.Rotation()
+        if rotate:                  # asked for: a family that takes none is an error, not skipped
+            recipe.rotation = dataclasses.replace(recipe.rotation or recipes.Rotation(), where_supported=False)
+        elif rotate is False:
+            recipe.rotation = None
         recipes.validate(recipe, "command line")
         if device != "cpu" and not _device_available(device):
             raise click.UsageError(f"--device {device}: no {device} device is available here")

@@ -29,8 +29,13 @@ class W8A8Dynamic(Scheme):
     # rose least, +0.58% (next: qkv/gate_up 0.7, down 0.5 +0.89%; the search +1.06%; GPTQ on
     # the runner-up +1.07%). o_proj has no producer in the Llama family, so its alpha is
     # untested there. The eval split scores it once, after the choice (README).
+    # Then a rotation (R1 + R2, Hadamard) first, where the family takes one: on the same kind
+    # of split (`choose_preset.py --write-split`, 128 x 512 fit windows, 16k selection tokens)
+    # it rose +0.55% against the alphas' +0.99%. Elsewhere (Gemma, GLM-4, MoE, discovered) the
+    # model is calibrated unrotated; `--no-rotate` turns it off. A tied head is untied.
     preset = {"method": "minmax", "gptq": {"mse_scales": False},
-              "smoothquant": {"alpha": 0.8, "group_alpha": {"gate_up": 0.9, "down": 0.5}}}
+              "smoothquant": {"alpha": 0.8, "group_alpha": {"gate_up": 0.9, "down": 0.5}},
+              "rotation": {"where_supported": True}}
 
     def tensor_specs(self, n, k, group_size=0, *, two_stage=False, row_parallel=False, tp_size=1):
         return {
