@@ -68,9 +68,26 @@ SCHEMES: dict[str, dict] = {
         "msmodelslim": "w8a8_dynamic",
         "llmcompressor": "w8a8_dynamic",
         "notes": {
-            "ours": "preset (SmoothQuant alpha 0.8 q/k/v, 0.9 gate/up, 0.5 down + min-max, per-token dynamic activations)",
+            "ours": "preset (R1 + R2 Hadamard rotation, SmoothQuant alpha 0.8 q/k/v, 0.9 gate/up, 0.5 down + "
+                    "min-max, per-token dynamic activations)",
             "msmodelslim": "smooth_quant alpha 0.8 + linear_quant minmax, act per_token",
             "llmcompressor": "SmoothQuantModifier 0.8 + GPTQModifier W8A8 (int8 channel, dynamic per-token)",
+        },
+    },
+    # msModelSlim's QuaRot recipe for the same scheme (ours rotates in the w8a8-dynamic row:
+    # its preset does where the family allows). msModelSlim's default adapter has no QuaRot,
+    # and no Llama adapter is registered: its Qwen3 adapter has Llama's module names. Its
+    # rotation edits weights in place, so on tied embeddings it corrupts the shared head
+    # (perplexity in the millions): it runs on an untied copy of the model.
+    "w8a8-dynamic-quarot": {
+        "title": "W8A8_DYNAMIC, msModelSlim QuaRot",
+        "msmodelslim": "w8a8_dynamic_quarot",
+        "msmodelslim_model_type": "Qwen3-8B",
+        "msmodelslim_untied": True,
+        "ours_row": "w8a8-dynamic",
+        "notes": {
+            "msmodelslim": "quarot (offline) + smooth_quant alpha 0.8 + linear_quant minmax, act per_token; "
+                           "`--model_type Qwen3-8B` on an untied copy of the model",
         },
     },
     "w8a8": {
@@ -134,9 +151,12 @@ def _msmodelslim_recipe(kind: str, dataset: Path) -> str:
         "w8a8_dynamic": '{scope: "per_token", dtype: "int8", symmetric: True, method: "minmax"}',
         "w8a8_static": '{scope: "per_tensor", dtype: "int8", symmetric: False, method: "minmax"}',
     }
+    act["w8a8_dynamic_quarot"] = act["w8a8_dynamic"]
     weight = '{scope: "per_channel", dtype: "int8", symmetric: True, method: "minmax"}'
     if kind in act:
-        process = f"""\
+        # its shipped QuaRot recipes (lab_practice/) put the rotation first
+        rotation = '    - type: "quarot"\n      online: False\n' if kind.endswith("_quarot") else ""
+        process = rotation + f"""\
     - type: "smooth_quant"
       alpha: 0.8
       include: ["*"]
@@ -419,8 +439,10 @@ def calibrate_cmd(tool: str, scheme: str, model: Path, out: Path, data: dict, ar
                 "sys.exit(ep.load()())")
         # --model_type default: msModelSlim has no Llama adapter; 'default' is its generic
         # transformers adapter. stdin 'y' answers its prompt for unverified model types.
-        return [str(venv_python("msmodelslim")), "-c", shim, "quant", "--model_path", str(model),
-                "--save_path", str(out), "--device", "cpu", "--model_type", "default",
+        source = untied_copy(model, work) if spec.get("msmodelslim_untied") else model
+        return [str(venv_python("msmodelslim")), "-c", shim, "quant", "--model_path", str(source),
+                "--save_path", str(out), "--device", "cpu",
+                "--model_type", spec.get("msmodelslim_model_type", "default"),
                 "--config_path", str(recipe)], "y\n" * 8
     if tool == "llmcompressor":
         return [str(venv_python("llmcompressor")), str(Path(__file__).resolve()), "_llmc-calibrate",
@@ -428,6 +450,35 @@ def calibrate_cmd(tool: str, scheme: str, model: Path, out: Path, data: dict, ar
                 "--kind", spec["llmcompressor"], "--seq-len", str(args.seq_len),
                 "--threads", str(threads)], None
     raise ValueError(tool)
+
+
+def untied_copy(model: Path, work: Path) -> Path:
+    """The model with `lm_head.weight` stored on its own and `tie_word_embeddings: false`
+    (the same float function), made once under `work`; the model itself where it is untied."""
+    config = json.loads((model / "config.json").read_text())
+    if not config.get("tie_word_embeddings", False):
+        return model
+    dst = work / f"{model.name}-untied"
+    if dst.exists():
+        return dst
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(mode=0o700, parents=True)
+    tensors = {}
+    for f in sorted(model.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    if len([f for f in model.glob("*.safetensors")]) != 1 or "model.embed_tokens.weight" not in tensors:
+        raise SystemExit(f"{model}: untied_copy expects one safetensors file with model.embed_tokens.weight")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    for f in model.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["tie_word_embeddings"] = False
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in dst.iterdir():               # msModelSlim refuses files others may write
+        os.chmod(f, 0o600)
+    return dst
 
 
 def evaluate(tool: str, model: Path, out: Path, data: dict, args, threads: int, log: Path) -> dict:
@@ -555,7 +606,7 @@ def main(argv=None) -> int:
 
     # which runs: every (threads, scheme, tool) where the tool has the scheme
     plan = [(t, s, tool) for t in args.threads for s in args.schemes for tool in args.tools
-            if tool == "ours" or tool in SCHEMES[s]]
+            if tool in SCHEMES[s]]
     if not plan:
         raise SystemExit("nothing to run: none of --tools has any of --schemes")
     need = sorted({tool for _, _, tool in plan if tool != "ours"})
@@ -715,14 +766,15 @@ def markdown(report: dict) -> str:
     for (tool, scheme, threads), r in by_key.items():
         if tool == "ours":
             continue
-        ours = by_key.get(("ours", scheme, threads))
+        mine = SCHEMES[scheme].get("ours_row", scheme)       # the row of ours it is set against
+        ours = by_key.get(("ours", mine, threads))
         if not ours:
             continue
         ratio_rows.append(
             f"| {SCHEMES[scheme]['title']} | {TOOL_LABELS[tool]} | {threads} | "
             f"{_fmt(_ratio(ours['wall_s'], r['wall_s']), '.2f')} | "
             f"{_fmt(_ratio(ours['peak_rss_mb'], r['peak_rss_mb']), '.2f')} | "
-            f"{_fmt(_ratio(ppl_of.get(('ours', scheme)), ppl_of.get((tool, scheme))), '.4f')} |")
+            f"{_fmt(_ratio(ppl_of.get(('ours', mine)), ppl_of.get((tool, scheme))), '.4f')} |")
     if ratio_rows:
         lines += ["", "## Ratios ascend-quant / anchor (below 1: ours is faster / smaller / better)", "",
                   "| scheme | anchor | threads | wall time | peak RSS | perplexity |", "|---|---|---:|---:|---:|---:|",

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/report.py          # rewrites README.md between the markers
 
-Reads benchmarks/results/{calibration,calibration-gemma,runtime,runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache}.*
+Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime,runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache}.*
 (whichever exist; quick and ad-hoc runs are ignored) and replaces the text between
 `<!-- results:start -->` and `<!-- results:end -->` in README.md. Every number in that section comes from those files.
 """
@@ -22,6 +22,8 @@ LABELS = {"ours": "ascend-quant", "llmcompressor": "llm-compressor", "msmodelsli
 # The real models' float weights are dequantized GGUFs (README "Reference model"): the
 # quantization they once had, named beside every 4-bit figure
 GGUF_ONCE = {"SmolLM2-135M-Instruct": "Q4_1", "gemma-3-270m": "Q4_K_M"}
+sys.path.insert(0, str(HERE))
+from calibration import SCHEMES as CAL_SCHEMES  # noqa: E402  (the benchmark's scheme table: standard library only)
 
 
 def _load(name: str) -> dict | None:
@@ -54,10 +56,11 @@ def calibration_section(d: dict, title: str = "Calibration: ascend-quant vs llm-
     ours = {(r["scheme"], r["threads"]): r for r in d["runs"] if r["tool"] == "ours"}
     ppl_by = {(r["tool"], r["scheme"]): r.get("ppl") for r in d["runs"] if r.get("ppl") is not None}
     for r in d["runs"]:
-        o = ours.get((r["scheme"], r["threads"]))
+        mine = CAL_SCHEMES.get(r["scheme"], {}).get("ours_row", r["scheme"])   # ours' row it is set against
+        o = ours.get((mine, r["threads"]))
         if r["tool"] == "ours" or o is None or not r.get("wall_s"):
             continue
-        op, ap = ppl_by.get(("ours", r["scheme"])), ppl_by.get((r["tool"], r["scheme"]))
+        op, ap = ppl_by.get(("ours", mine)), ppl_by.get((r["tool"], r["scheme"]))
         ratios.append(f"| {r['scheme']} | {LABELS.get(r['tool'], r['tool'])} | {r['threads']} | "
                       f"{o['wall_s'] / r['wall_s']:.2f} | {o['peak_rss_mb'] / r['peak_rss_mb']:.2f} | "
                       f"{'' if not (op and ap) else f'{op / ap:.4f}'} |")
@@ -90,6 +93,10 @@ def build() -> str:
     cal = _load("calibration")
     if cal:
         lines += calibration_section(cal) + [""]
+    w8 = _load("calibration-w8a8d")
+    if w8:
+        lines += calibration_section(w8, "Calibration: W8A8_DYNAMIC with rotation (stop 24) vs msModelSlim, "
+                                     "with and without its QuaRot", "calibration-w8a8d") + [""]
     gemma = _load("calibration-gemma")
     if gemma:
         lines += calibration_section(gemma, "Calibration: Gemma-3-270m (ascend-quant)", "calibration-gemma") + [""]
