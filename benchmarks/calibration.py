@@ -463,12 +463,11 @@ def untied_copy(model: Path, work: Path) -> Path:
         return dst
     from safetensors.torch import load_file, save_file
 
-    dst.mkdir(mode=0o700, parents=True)
-    tensors = {}
-    for f in sorted(model.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    if len([f for f in model.glob("*.safetensors")]) != 1 or "model.embed_tokens.weight" not in tensors:
+    files = sorted(model.glob("*.safetensors"))
+    tensors = load_file(files[0]) if len(files) == 1 else {}
+    if "model.embed_tokens.weight" not in tensors:
         raise SystemExit(f"{model}: untied_copy expects one safetensors file with model.embed_tokens.weight")
+    dst.mkdir(mode=0o700, parents=True)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     for f in model.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":

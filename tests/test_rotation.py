@@ -174,7 +174,7 @@ def test_gemma_is_refused_with_one_line(tmp_path, saved, calib_jsonl):
 
 
 def test_rotation_where_supported_skips_gemma_and_rotates_llama(tmp_path, saved, calib_jsonl):
-    """`rotation: {where_supported: true}` (the 4-bit presets' form): Gemma, where R1 is no
+    """`rotation: {where_supported: true}` (the W8A8_DYNAMIC preset's form): Gemma, where R1 is no
     equivalence, is calibrated unrotated, with the reason in the record and no rotation in
     the saved recipe; `refusal` changes nothing; Llama is rotated as with a plain rotation."""
     model = _random_model("gemma3")

@@ -67,8 +67,8 @@ def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 def refusal(model: torch.nn.Module, spec: ArchSpec, kind: str = "hadamard", r2: bool = True) -> str | None:
     """Why `rotate_model` would refuse this model (one line), or None; it changes nothing, so a
-    recipe whose rotation applies only where it can (`Rotation.where_supported`, the 4-bit
-    presets) asks first and calibrates unrotated otherwise."""
+    recipe whose rotation applies only where it can (`Rotation.where_supported`, the
+    W8A8_DYNAMIC preset) asks first and calibrates unrotated otherwise."""
     try:
         _check(model, spec, kind, r2)
     except CalibrationError as e:

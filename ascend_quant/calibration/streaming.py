@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from ascend_quant import memory
 from ascend_quant.calibration import CalibrationError
 
 
@@ -232,11 +231,13 @@ class StreamedModel:
         plan = self.rotation
         turned = [n for n in names if plan is not None and plan.inputs(n) is not None]
         out = self._read_stored([n for n in names if n not in turned], dtype, mapped)
-        for n in turned:                      # float32 first, as the whole-model rotation does
-            values = self._read_stored(plan.inputs(n), torch.float32)
-            out[n] = plan.rotated(n, values).to(self.device, dtype)
-        if turned:                            # the float64 temporaries, back to the system
-            memory.trim()
+        if turned:                            # their inputs read once, float32 as in the whole-model rotation
+            values = self._read_stored(sorted({m for n in turned for m in plan.inputs(n)}), torch.float32)
+            gains = {m for n in turned for m in plan.inputs(n)[1:]}
+            for n in turned:
+                out[n] = plan.rotated(n, values).to(self.device, dtype)
+                if n not in gains:            # its unrotated copy is not read again
+                    del values[n]
         return out
 
     def rotate(self, plan) -> None:
@@ -257,8 +258,11 @@ class StreamedModel:
 
     def _read_stored(self, names: list[str], dtype: torch.dtype, mapped: bool = False) -> dict[str, torch.Tensor]:
         """`read` without the rotation: the tensors as the files hold them."""
-        direct = {self.sources[n][0]: n for n in names if self.sources[n][1] is None}
-        out = {direct[d]: t for d, t in self.files.read(list(direct), dtype, self.device, mapped).items()}
+        direct: dict[str, list[str]] = defaultdict(list)     # disk name -> model names (a rotated
+        for n in names:                                      # tied head reads the embedding's)
+            if self.sources[n][1] is None:
+                direct[self.sources[n][0]].append(n)
+        out = {n: t for d, t in self.files.read(list(direct), dtype, self.device, mapped).items() for n in direct[d]}
         for n in names:
             disk, part = self.sources[n]
             if part is None:
