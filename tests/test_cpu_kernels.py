@@ -27,13 +27,18 @@ ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu_isa()):-1])        # this CPU's widest d
 TOKENS = (1, 3, 5, 9, GEMV_MAX_M, GEMV_MAX_M + 3)      # register tiles 1-8, two tiles, the GEMM path
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=[(isa, via) for isa in ISAS for via in ("op", "ctypes")], ids="-".join)
 def backend(request, monkeypatch):
-    monkeypatch.setenv(ISA_ENV, request.param)
+    """A cpu backend on one GEMV build, its weight-only Linears called through the C++ operator
+    (`ascend_quant_cpu::wq_linear`, the default) or from Python through ctypes (OP_ENV=0)."""
+    isa, via = request.param
+    monkeypatch.setenv(ISA_ENV, isa)
+    monkeypatch.setenv(cpu.OP_ENV, "1" if via == "op" else "0")
     b = CpuBackend(gemm="f32")
     assert b.gemv_lib is not None, "the GEMV kernel did not build (a C compiler is needed for these tests)"
     b.gemv_lib.wq_isa.restype = ctypes.c_int
-    assert b.gemv_lib.wq_isa() == {"avx512bf16": 516, "avx512": 512, "avx2": 2}[request.param]
+    assert b.gemv_lib.wq_isa() == {"amx": 1024, "avx512bf16": 516, "avx512": 512, "avx2": 2}[isa]
+    assert (b.wq_op is not None) == (via == "op"), cpu.native.WQ_OP.error
     return b
 
 
@@ -70,7 +75,8 @@ def _close(got, want, out_dtype):
 # n = 38: not a multiple of the 4-channel row blocks; k = 77: not a multiple of any vector
 # width (padded to 96); group 24: padded to 32 inside every group
 @pytest.mark.parametrize("bits,n,k,group", [(8, 38, 77, 0), (8, 64, 160, 32), (8, 38, 72, 24),
-                                            (4, 38, 78, 0), (4, 64, 256, 64), (4, 38, 72, 24)])
+                                            (4, 38, 78, 0), (4, 64, 256, 64), (4, 38, 72, 24),
+                                            (8, 20, 2100, 0), (4, 20, 2304, 384)])   # k-chunks past 1024
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_only_gemv(backend, bits, n, k, group, asym, dtype):
@@ -89,6 +95,22 @@ def test_weight_only_gemv(backend, bits, n, k, group, asym, dtype):
             _close(got, REF.weight_only_matmul(x, ref, bias=b), dtype)
     x3 = torch.randn(2, 3, k, generator=g).to(dtype)              # leading dims kept
     _close(backend.weight_only_matmul(x3, prep), REF.weight_only_matmul(x3, ref), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_outputs(backend, dtype):
+    """Outputs of 4 MiB and more, which the amx build writes around the cache (streaming
+    stores of whole lines), with a channel tail (n % 32) and a token tail (m % 32), equal the
+    reference within the same tolerance as small ones."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 2056, 64
+    m = (5 << 20) // (n * (4 if dtype == torch.float32 else 2)) | 1
+    w_int, scale = numerics.quantize_weight(torch.randn(n, k, generator=g) * 0.05, 8, 0)
+    prep = backend.prepare_weight_only(w_int, scale, None, 8, dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    _close(backend.weight_only_matmul(x, prep, bias=bias),
+           REF.weight_only_matmul(x, REF.prepare_weight_only(w_int, scale, None, 8), bias=bias), dtype)
 
 
 @pytest.mark.parametrize("k", [77, 4000])
@@ -140,7 +162,7 @@ def test_two_stage_w4a8_per_group(backend):
 
 def test_isa_switch(monkeypatch):
     monkeypatch.setenv(ISA_ENV, "sse")
-    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_ISA='sse': use one of avx512bf16, avx512, avx2, off"):
+    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_ISA=.sse.: use one of amx, avx512bf16, avx512, avx2, off"):
         CpuBackend(gemm="f32")
     monkeypatch.setenv(ISA_ENV, "off")          # the torch path: integers in the [k, n] layout
     b = CpuBackend(gemm="f32")

@@ -311,3 +311,40 @@ def test_traced_int8_linear_equals_the_eager_call(scheme, out_dtype, with_bias):
         eager = pl(x, bias)
         assert torch.equal(compiled(x), eager), (scheme, out_dtype, m)
         torch.testing.assert_close(eager, ref(x, bias), rtol=1e-5, atol=1e-3)    # oneDNN's bias epilogue rounds its own way
+
+
+@pytest.mark.parametrize("scheme,bits,group,asym", [("W8A16", 8, 0, False), ("W4A16", 4, 64, True),
+                                                    ("W4A8_DYNAMIC", 4, 64, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_traced_weight_only_linear_equals_the_eager_call(scheme, bits, group, asym, dtype):
+    """Weight-only Linears (and two-stage W4A8, whose int4 product is the same kernel) held in
+    the GEMV layout are traceable where the C++ operator `ascend_quant_cpu::wq_linear` is loaded:
+    torch.compile traces them whole (fullgraph, one dynamic graph for 1 to 70 tokens, the GEMV
+    and the GEMM side of the operator's token threshold) and gives the eager call's outputs bit
+    for bit, which agree with the reference within the float-summation tolerance."""
+    g = torch.Generator().manual_seed(bits + group)
+    n, k = 48, 256
+    w = torch.randn(n, k, generator=g) * 0.05
+    if scheme == "W4A8_DYNAMIC":
+        w4, s1, s2 = numerics.two_stage_int4(w, group)
+        t = dict(weight=numerics.pack_int4(w4), weight_scale=s1, weight_offset=torch.zeros_like(s1),
+                 weight_scale_second=s2, weight_offset_second=torch.zeros_like(s2, dtype=torch.int64))
+    else:
+        q, s = numerics.quantize_weight(w, bits, group)
+        off = torch.randint(-2, 3, s.shape, generator=g).float() if asym else torch.zeros_like(s)
+        t = dict(weight=numerics.pack_int4(q) if bits == 4 else q, weight_scale=s.float(), weight_offset=off)
+    b = CpuBackend()
+    pl = PreparedLinear.build(scheme, t, backend=b, dtype=dtype)
+    ref = PreparedLinear.build(scheme, t, backend=REF, dtype=dtype)
+    assert b.traceable(pl) == (b.wq_op is not None)
+    assert b.wq_op is not None, "the C++ operator did not build: " + str(kernels.cpu.native.WQ_OP.error)
+    bias = torch.randn(n, generator=g).to(dtype)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: pl(x, bias), fullgraph=True, dynamic=True)
+    for m in (1, 7, 70):
+        x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+        eager = pl(x, bias)
+        assert torch.equal(compiled(x), eager), (scheme, dtype, m)
+        want = ref(x, bias).float()
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(eager.float(), want, rtol=tol, atol=tol * want.abs().max().item())

@@ -1,7 +1,11 @@
 """Build and load our C kernels on first use: the int8 paged KV cache (`c8_kernel.c`), GPTQ's
 column sweep (`gptq_kernel.c`) and the quantized-weight GEMV of the CPU backend (`wq_gemv.c`,
-built once per instruction set: `WQ_GEMV["avx512bf16"]`, `["avx512"]`, `["avx2"]`) and the
+built once per instruction set: `WQ_GEMV["amx"]`, `["avx512bf16"]`, `["avx512"]`, `["avx2"]`) and the
 routed experts of int8-activation MoE layers on AVX-512 VNNI CPUs (`int8_experts.c`).
+
+`wq_op.cpp` is a C++ torch operator (`ascend_quant_cpu::wq_linear`) over the GEMV builds,
+compiled with the host C++ compiler against the running torch's headers and libraries
+(`TorchOpLibrary`) and loaded with `torch.ops.load_library`.
 
 Each library is compiled with the host C compiler (`cc -O3 -march=native -fopenmp`), a few
 seconds, into `$ASCEND_QUANT_KERNEL_CACHE` (default `~/.cache/ascend_quant/kernels`), named by
@@ -68,7 +72,7 @@ class NativeLibrary:
         os.close(fd)
         try:
             extra = ["-lmvec"] if self.fast_math_fallback else []
-            r = subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, *self.libs, *extra],
+            r = subprocess.run([self.compiler(cc), *self.flags, str(self.source), "-o", tmp, *self.libs, *extra],
                                capture_output=True, text=True)
             if r.returncode != 0 and self.fast_math_fallback:      # no libmvec (non-glibc): scalar expf
                 r = subprocess.run([cc, *[f for f in self.flags if f != "-ffast-math"], str(self.source), "-o", tmp,
@@ -79,6 +83,12 @@ class NativeLibrary:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def compiler(self, cc: str) -> str:
+        return cc
+
+    def open(self, path: Path) -> ctypes.CDLL:
+        return ctypes.CDLL(str(path))
 
     def load(self) -> ctypes.CDLL | None:
         """The compiled kernels, building them if needed; None when unavailable (see `error`)."""
@@ -93,7 +103,7 @@ class NativeLibrary:
                 path = self.library_path()
                 if not path.exists():
                     self._build(path)
-                lib = ctypes.CDLL(str(path))
+                lib = self.open(path)
                 for name, args in self.signatures.items():
                     fn = getattr(lib, name)
                     fn.argtypes = args
@@ -129,14 +139,54 @@ GPTQ = NativeLibrary(
 _WQ_SIG = {"wq_gemv": [_p, _i32, _i64, _i64, _i64, _p, _i32, _i64, _i64, _i64, _i64, _p, _p, _p, _p,
                        _i32, _p, _i32, _i64, _i32, _p],
            "wq_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32],
-           "wq_glu_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32]}
+           "wq_glu_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32],
+           "wq_dequant": [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i32]}
 _WQ_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
 WQ_GEMV = {
+    "amx": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512, "-mavx512vl", "-mavx512bf16", "-mamx-tile",
+                                                       "-mamx-bf16"], []),
     "avx512bf16": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512, "-mavx512vl", "-mavx512bf16"], []),
     "avx512": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512], []),
     "avx2": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, "-mavx2", "-mfma"], []),
 }
+
+
+
+class TorchOpLibrary(NativeLibrary):
+    """A C++ source that registers torch operators (TORCH_LIBRARY): built against the running
+    torch's headers and libraries (its version and C++ ABI are part of the cache name), loaded
+    with `torch.ops.load_library`; `load()` also gives it as a ctypes library for its plain C
+    entry points."""
+
+    def __init__(self, source: Path, signatures: dict[str, list]):
+        super().__init__(source, signatures, [], [])
+
+    def library_path(self) -> Path:
+        if not self.flags:      # torch's paths, read on first use (cpp_extension takes ~0.1 s to import)
+            import torch
+            from torch.utils import cpp_extension
+
+            lib_dir = cpp_extension.library_paths()[0]
+            self.flags = ["-O2", "-std=c++20", "-shared", "-fPIC",
+                          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                          *(f"-I{p}" for p in cpp_extension.include_paths()), f"-DTORCH_VERSION_TAG={torch.__version__}"]
+            self.libs = [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+        return super().library_path()
+
+    def compiler(self, cc: str) -> str:
+        return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or cc
+
+    def open(self, path: Path) -> ctypes.CDLL:
+        import torch
+
+        torch.ops.load_library(str(path))
+        return ctypes.CDLL(str(path))
+
+
+# `torch.ops.ascend_quant_cpu.wq_linear`: the weight-only Linear on wq_gemv.c's kernels without
+# Python in between (runtime/kernels/cpu.py registers each GEMV build it loads)
+WQ_OP = TorchOpLibrary(HERE / "wq_op.cpp", {"wq_op_register": [_i32, _p, _p]})
 
 INT8_EXPERTS = NativeLibrary(
     HERE / "int8_experts.c",

@@ -49,7 +49,9 @@ static inline void wload32_4(const uint8_t *p, vf *w) {       /* 16 bytes: nibbl
 }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline int32_t vsum_int(vf a) { return _mm512_reduce_add_epi32(_mm512_cvtps_epi32(a)); }
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__)
+int wq_isa(void) { return 1024; }    /* AMX-BF16 tiles, AVX-512 with BF16 */
+#elif defined(__AVX512BF16__)
 int wq_isa(void) { return 516; }     /* AVX-512 with BF16 */
 #else
 int wq_isa(void) { return 512; }
@@ -280,6 +282,249 @@ static inline void store_y(void *y, int ydt, int64_t i, float v) {
     ((uint16_t *)y)[i] = (uint16_t)(r >> 16);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX (the `amx` build: -mamx-tile -mamx-bf16 on top of AVX512-BF16), bfloat16 activations in
+ * mode 0 from AMX_MIN_M tokens on, prefill included. TDPBF16PS multiplies a 16 x 32 bfloat16
+ * tile A by a 32 x 16 tile B (stored as 16 rows of in-feature pairs: B[r][j][p] = value
+ * 2r + p of column j) into 16 x 16 float32 sums C. A is 16 output channels of weights:
+ * a block of 32 channels is converted to bfloat16 exactly (integers of at most 8 significant
+ * bits), row by row (sequential reads), into a per-thread panel that every tile of tokens
+ * reuses. B is 16 tokens of activations, transposed into pair rows once per call (zeros in the
+ * padding of groups and tokens). The C tiles ([channel][token]) hold the float32 sums over one
+ * group; per-group scales multiply them as the vector path's lanes (mode 0 above); they are
+ * transposed to [token][channel] for the offset, bias and store, as there. Products of two
+ * bfloat16 values are exact in float32; only the order of the float32 sums differs from the
+ * reference (AMX also treats denormal inputs and sums as zero). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_MIN_M 4
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+/* Linux gives a process the AMX register state only when asked (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); without it the first tile instruction faults. */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return state;
+}
+
+int wq_amx_ready(void) { return amx_permitted(); }
+
+static inline __m512i bf16_row32_8(const int8_t *p) {     /* 32 int8 values -> 32 bfloat16 */
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a);           /* a: the low half */
+}
+
+static inline __m512i bf16_row32_4(const uint8_t *p, __m256i tab) {   /* 16 bytes of int4 pairs */
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i lo = _mm256_permutexvar_epi16(v, tab);                       /* values 0..15 */
+    __m256i hi = _mm256_permutexvar_epi16(_mm256_srli_epi16(v, 4), tab); /* values 16..31 */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* r[i] element j -> r[j] element i, for 16 x 16 32-bit elements (a bfloat16 pair each) */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {           /* r[4i + q], lane L: column 4L + q of rows 4i..4i+3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    __m512i o[16];
+    for (int q = 0; q < 4; q++) {
+        __m512i s1 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88), s2 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xDD);
+        __m512i s3 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88), s4 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xDD);
+        o[q] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        o[8 + q] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+        o[4 + q] = _mm512_shuffle_i32x4(s2, s4, 0x88);
+        o[12 + q] = _mm512_shuffle_i32x4(s2, s4, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = o[i];
+}
+
+static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, int bits, int64_t n,
+                     int64_t groups, int64_t gsz, int64_t gp, const float *scale, const float *offset,
+                     const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    const int64_t kp = groups * gp, chunks = kp / 32, row_bytes = bits == 4 ? kp / 2 : kp;
+    const int64_t ttiles = (m + 15) / 16;
+    /* xv: per tile of 16 tokens and chunk of 32 in-features, the B tile (16 pair rows x 16 tokens) */
+    uint32_t *xv = aligned_alloc(64, (size_t)(ttiles * chunks * 1024));
+    float *xsum = offset ? calloc((size_t)(m * groups), sizeof(float)) : NULL;
+    int failed = !xv || (offset && !xsum);
+#pragma omp parallel num_threads(nthreads) if (ttiles > 1)
+    {
+        uint16_t *rows = failed ? NULL : aligned_alloc(64, (size_t)(16 * kp * 2));   /* 16 tokens, padded */
+        if (!failed && !rows) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < ttiles; tt++) {
+            if (!rows) continue;
+            memset(rows, 0, (size_t)(16 * kp * 2));
+            for (int64_t t = tt * 16; t < m && t < tt * 16 + 16; t++)
+                for (int64_t g = 0; g < groups; g++) {
+                    memcpy(rows + (t - tt * 16) * kp + g * gp, x + t * ldx + g * gsz, (size_t)(gsz * 2));
+                    if (xsum) {
+                        float s = 0.f;
+                        for (int64_t i = 0; i < gsz; i++) s += load_x(x, 1, t * ldx + g * gsz + i);
+                        xsum[t * groups + g] = s;
+                    }
+                }
+            for (int64_t c = 0; c < chunks; c++) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(rows + i * kp + c * 32));
+                transpose16(r);
+                for (int i = 0; i < 16; i++) _mm512_store_si512((void *)(xv + (tt * chunks + c) * 256 + i * 16), r[i]);
+            }
+        }
+        free(rows);
+    }
+    if (failed) { free(xv); free(xsum); *status = 1; return; }
+    const int per_group = groups > 1;
+    const int64_t blocks = (n + 31) / 32;
+    const int stream = m * n * (ydt == 0 ? 4 : 2) >= (4 << 20);
+#pragma omp parallel num_threads(nthreads)
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+        _tile_loadconfig(&cfg);
+        uint16_t *panel = aligned_alloc(64, (size_t)(32 * kp * 2));               /* [32 ch][kp] bfloat16 */
+        float *cb = aligned_alloc(64, 4 * 256 * sizeof(float));                 /* C tiles [tile][16 ch][16 tokens] */
+        float *acc = aligned_alloc(64, 4 * 256 * sizeof(float));                /* per-group sums, same layout */
+        float *st = aligned_alloc(64, (size_t)(groups * 32 * 2 * sizeof(float)));  /* scale, offset * scale: [g][32 ch] */
+        const __m256i tab = _mm256_loadu_si256((const __m256i *)BF16_INT4);
+        if (!panel || !cb || !acc || !st) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            float *ost = st + groups * 32;
+            /* tokens in spans of about 512 KiB of activations, which stay in a core's cache while
+             * every block of channels passes over them (the panels are converted once per span) */
+            const int64_t span = (512 * 1024 / (kp * 2)) / 32 * 32 > 64 ? (512 * 1024 / (kp * 2)) / 32 * 32 : 64;
+            for (int64_t m0 = 0; m0 < m; m0 += span) {
+            const int64_t m1 = m0 + span < m ? m0 + span : m;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t j0 = b * 32, nj = n - j0 < 32 ? n - j0 : 32;
+                for (int64_t jj = 0; jj < 32; jj++) {
+                    uint16_t *dst = panel + jj * kp;
+                    if (jj >= nj) { memset(dst, 0, (size_t)(kp * 2)); continue; }
+                    const uint8_t *src = (const uint8_t *)w + (j0 + jj) * row_bytes;
+                    if (j0 + 32 + jj < n)       /* the next block's row into L2 (cold weights: ~10% faster) */
+                        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)src + 32 * row_bytes + o, _MM_HINT_T1);
+                    for (int64_t c = 0; c < chunks; c++)
+                        _mm512_store_si512((void *)(dst + c * 32), bits == 4 ? bf16_row32_4(src + c * 16, tab)
+                                                                             : bf16_row32_8((const int8_t *)src + c * 32));
+                }
+                for (int64_t g = 0; g < groups; g++)
+                    for (int64_t jj = 0; jj < 32; jj++) {
+                        const float sv = jj < nj ? scale[(j0 + jj) * groups + g] : 0.f;
+                        st[g * 32 + jj] = sv;
+                        ost[g * 32 + jj] = jj < nj && offset ? offset[(j0 + jj) * groups + g] * sv : 0.f;
+                    }
+                const __mmask16 mask[2] = {(__mmask16)(nj >= 16 ? 0xFFFF : (1u << nj) - 1),
+                                           (__mmask16)(nj <= 16 ? 0 : nj >= 32 ? 0xFFFF : (1u << (nj - 16)) - 1)};
+                for (int64_t t0 = m0; t0 < m1; t0 += 32) {
+                    const int64_t nt = m1 - t0 < 32 ? m1 - t0 : 32;
+                    const int two = nt > 16;
+                    const uint32_t *xa = xv + (t0 / 16) * chunks * 256, *xb = xa + chunks * 256;
+                    if (per_group) memset(acc, 0, 4 * 256 * sizeof(float));
+                    for (int64_t g = 0; g < groups; g++) {
+                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                        for (int64_t c = g * gp / 32; c < (g + 1) * gp / 32; c++) {
+                            _tile_loadd(4, panel + c * 32, kp * 2);             /* channels 0-15 */
+                            _tile_loadd(5, panel + 16 * kp + c * 32, kp * 2);   /* channels 16-31 */
+                            _tile_loadd(6, xa + c * 256, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 5, 6);
+                            if (two) {
+                                _tile_loadd(7, xb + c * 256, 64);
+                                _tile_dpbf16ps(2, 4, 7);
+                                _tile_dpbf16ps(3, 5, 7);
+                            }
+                        }
+                        _tile_stored(0, cb, 64);
+                        _tile_stored(1, cb + 256, 64);
+                        if (two) { _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64); }
+                        if (per_group)
+                            for (int tile = 0; tile < (two ? 4 : 2); tile++)
+                                for (int i = 0; i < 16; i++) {
+                                    float *a = acc + tile * 256 + i * 16;
+                                    _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(cb + tile * 256 + i * 16),
+                                                                       _mm512_set1_ps(st[g * 32 + (tile & 1) * 16 + i]),
+                                                                       _mm512_load_ps(a)));
+                                }
+                    }
+                    const float *sums = per_group ? acc : cb;
+                    for (int u = 0; u < (two ? 2 : 1); u++) {     /* a tile of 16 tokens: [token][channel] */
+                        __m512i r[2][16];
+                        for (int h = 0; h < 2; h++) {
+                            for (int i = 0; i < 16; i++) r[h][i] = _mm512_load_si512((const void *)(sums + (u * 2 + h) * 256 + i * 16));
+                            transpose16(r[h]);
+                        }
+                        for (int64_t t = 0; t < 16 && u * 16 + t < nt; t++) {
+                            const int64_t tok = t0 + u * 16 + t;
+                            __m512 v[2];
+                            for (int h = 0; h < 2; h++) {
+                                v[h] = _mm512_castsi512_ps(r[h][t]);
+                                if (!per_group) v[h] = _mm512_mul_ps(v[h], _mm512_load_ps(st + h * 16));
+                                if (offset) {
+                                    __m512 c = _mm512_setzero_ps();
+                                    for (int64_t g = 0; g < groups; g++)
+                                        c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_load_ps(ost + g * 32 + h * 16),
+                                                                           _mm512_set1_ps(xsum[tok * groups + g])));
+                                    v[h] = _mm512_sub_ps(v[h], c);
+                                }
+                                if (bias) v[h] = _mm512_add_ps(v[h], _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16));
+                            }
+                            /* whole cache lines (32 bfloat16 or 16 float32 channels, where y is aligned)
+                             * go around the cache when y is large: no read for ownership of lines
+                             * that are overwritten whole (measured: 28 -> 18 ms, 4096 x 576 x 3072) */
+                            if (ydt == 0) {
+                                for (int h = 0; h < 2; h++) {
+                                    float *dst = (float *)y + tok * ldy + j0 + h * 16;
+                                    if (stream && mask[h] == 0xFFFF && ((uintptr_t)dst & 63) == 0) _mm512_stream_ps(dst, v[h]);
+                                    else if (mask[h]) _mm512_mask_storeu_ps(dst, mask[h], v[h]);
+                                }
+                            } else {
+                                uint16_t *dst = (uint16_t *)y + tok * ldy + j0;
+                                const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+                                if (stream && nj == 32 && ((uintptr_t)dst & 63) == 0) _mm512_stream_si512((void *)dst, packed);
+                                else _mm512_mask_storeu_epi16(dst, (__mmask32)mask[0] | (__mmask32)mask[1] << 16, packed);
+                            }
+                        }
+                    }
+                }
+            }
+            }
+        }
+        free(panel);
+        free(cb);
+        free(acc);
+        free(st);
+        _tile_release();
+        if (stream) _mm_sfence();       /* the streamed lines are visible before the caller reads y */
+    }
+    free(xv);
+    free(xsum);
+    if (failed) *status = 1;
+}
+#else
+#define HAVE_AMX 0
+int wq_amx_ready(void) { return 0; }
+#endif
+
 /* x: [m, k] with row stride ldx, dtype xdt (0 float32, 1 bfloat16, 2 int8); y: [m, n] with row
  * stride ldy, dtype ydt (0 float32, 1 bfloat16). offset, bias, pertoken may be NULL.
  * Returns through y only; a failed allocation leaves y untouched and sets *status = 1. */
@@ -288,6 +533,12 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
              const float *scale, const float *offset, const float *bias, const float *pertoken,
              int mode, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
     (void)k;
+#if HAVE_AMX
+    if (xdt == 1 && mode == 0 && m >= AMX_MIN_M && ldx % 2 == 0 && amx_permitted()) {
+        amx_gemv(x, m, ldx, w, bits, n, groups, gsz, gp, scale, offset, bias, y, ydt, ldy, nthreads, status);
+        return;
+    }
+#endif
     const int64_t kp = groups * gp;
     const int64_t row_bytes = bits == 4 ? kp / 2 : kp;
     const int use_bf16 = HAVE_BF16 && xdt == 1 && mode == 0;
@@ -368,6 +619,33 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
     }
     free(buf);
     free(xsum);
+}
+
+/* Columns [start, end) of the dequantized weight, float32: out[j * ldo + (c - start)] =
+ * (w[j, c] - offset[j, g]) * scale[j, g] with g = c / gsz (no offset: w * scale), the formula
+ * and order of GemvWeight.dequantized; for the large-batch GEMMs of the `wq_linear` operator. */
+void wq_dequant(const void *w, int bits, int64_t n, int64_t groups, int64_t gsz, int64_t gp, const float *scale,
+                const float *offset, int64_t start, int64_t end, float *out, int64_t ldo, int nthreads) {
+    const int64_t row_bytes = bits == 4 ? groups * gp / 2 : groups * gp;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * (end - start) >= (1 << 16))
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = (const uint8_t *)w + j * row_bytes;
+        float *o = out + j * ldo;
+        for (int64_t c = start; c < end; c++) {
+            const int64_t g = c / gsz, idx = g * gp + c % gsz;
+            int v;
+            if (bits == 4) {
+                const int p = (int)(idx % 32);
+                const uint8_t byte = row[idx / 32 * 16 + (p & 15)];
+                v = p < 16 ? (byte & 0xF) : (byte >> 4);
+                v = v >= 8 ? v - 16 : v;
+            } else {
+                v = ((const int8_t *)row)[idx];
+            }
+            const float f = (float)v;
+            o[c - start] = offset ? (f - offset[j * groups + g]) * scale[j * groups + g] : f * scale[j * groups + g];
+        }
+    }
 }
 
 /* x[i .. i + VW) of a float32 (xdt 0) or bfloat16 (xdt 1) row as floats */

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from ascend_quant.runtime.kernels.cpu import GEMM_ENV, ISA_ENV, CpuBackend
+from ascend_quant.runtime.kernels.cpu import GEMM_ENV, ISA_ENV, OP_ENV, CpuBackend
 from ascend_quant.runtime.kernels.cuda import CudaBackend
 from ascend_quant.runtime.kernels.npu import NpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
@@ -39,10 +39,10 @@ _instances: dict[tuple[str, str], object] = {}
 
 
 def backend(name: str):
-    """The (shared) backend object called `name` (one per setting of the CPU GEMM and ISA switches)."""
+    """The (shared) backend object called `name` (one per setting of the CPU GEMM, ISA and operator switches)."""
     if name not in BACKENDS:
         raise ValueError(f"{ENV_VAR}/backend: unknown kernel backend {name!r} (known: {', '.join(BACKENDS)})")
-    key = (name, os.environ.get(GEMM_ENV, ""), os.environ.get(ISA_ENV, ""))
+    key = (name, os.environ.get(GEMM_ENV, ""), os.environ.get(ISA_ENV, ""), os.environ.get(OP_ENV, ""))
     if key not in _instances:
         _instances[key] = BACKENDS[name]()
     return _instances[key]

@@ -19,11 +19,19 @@ without VNNI is refused: its results would be wrong.
 
 Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes and of the
 int4 weights of W4A8 run our C GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights
-once per call and converts them in registers. Its AVX-512-BF16 (bfloat16 activations through
+once per call and converts them in registers. Its AMX build (AMX-BF16 tiles for bfloat16
+activations from 4 tokens on, prefill included: the weights converted per block of 32 output
+channels into a panel every tile of tokens reuses), AVX-512-BF16 (bfloat16 activations through
 VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CPU_ISA=avx2`
-(or `avx512bf16`, `avx512`, `off`) forces one, so each narrower path is tested on wider
-machines too (`off`: the torch path). Larger batches (prefill) run
-float32 GEMMs over k-chunks converted from the same weights (or oneDNN, see above).
+(or `amx`, `avx512bf16`, `avx512`, `off`) forces one, so each narrower path is tested on wider
+machines too (`off`: the torch path). Larger batches (prefill) without AMX run float32 GEMMs
+over k-chunks converted from the same weights (or oneDNN, see above).
+
+Weight-only Linears reach the GEMV through a C++ torch operator, `ascend_quant_cpu::wq_linear`
+(`native/wq_op.cpp`, built on first use against the running torch), so vLLM's compiled graph
+calls the kernel with the layer's tensors and no Python in between (`traceable`);
+`ASCEND_QUANT_CPU_OP=0` calls the same kernels through ctypes instead (the path taken where the
+operator cannot be built).
 
 Routed experts whose Linears take int8 activations (W8A8_DYNAMIC, per-channel W4A8_DYNAMIC)
 run, on CPUs with AVX-512 VNNI, all experts of a layer in one call per projection
@@ -58,12 +66,18 @@ GEMM_ENV = "ASCEND_QUANT_CPU_GEMM"
 # no GEMV kernel), a little faster for prefill on CPUs without VNNI.
 WEIGHTS_ENV = "ASCEND_QUANT_CPU_WEIGHTS"
 ISA_ENV = "ASCEND_QUANT_CPU_ISA"
-ISAS = ("avx512bf16", "avx512", "avx2", "off")
+ISAS = ("amx", "avx512bf16", "avx512", "avx2", "off")
 # tokens up to which the GEMV kernel runs (beyond: GEMMs). Measured on an AVX-512 CPU, one
 # thread, 576x3072: at 64 tokens the GEMV took 1.8 ms (AVX512-BF16) / 2.8 ms (AVX-512), the
 # float32 GEMMs over dequantized chunks 6.8 ms
 GEMV_MAX_M = 64
+# the amx build's tile path (bfloat16 activations, native/wq_gemv.c) serves every token count,
+# prefill included: it never hands a batch to the float32 GEMMs
+AMX_MAX_M = 1 << 62
 MOE_ENV = "ASCEND_QUANT_CPU_MOE"      # "grouped" (default with AVX-512 VNNI) or "loop"
+# "0": weight-only Linears call the GEMV through ctypes from Python instead of through the C++
+# operator `ascend_quant_cpu::wq_linear` (native/wq_op.cpp), which compiled mode traces
+OP_ENV = "ASCEND_QUANT_CPU_OP"
 GEMV_PAD = 32            # the kernel's groups are padded to a multiple of this many values
 _XDT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _YDT = {torch.float32: 0, torch.bfloat16: 1}
@@ -114,11 +128,13 @@ def moe_mode() -> str:
 
 
 def cpu_isa() -> str:
-    """The widest GEMV build this CPU runs: "avx512bf16" (AVX-512 F, BW, VL and BF16),
-    "avx512" (F and BW), "avx2" (with FMA) or "off"."""
+    """The widest GEMV build this CPU runs: "amx" (AMX tiles with BF16, and AVX-512-BF16),
+    "avx512bf16" (AVX-512 F, BW, VL and BF16), "avx512" (F and BW), "avx2" (with FMA) or "off"."""
     flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx2", "fma"} <= flags:
-        return "avx512bf16" if {"avx512vl", "avx512_bf16"} <= flags else "avx512"
+        if not {"avx512vl", "avx512_bf16"} <= flags:
+            return "avx512"
+        return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512bf16"
     return "avx2" if {"avx2", "fma"} <= flags else "off"
 
 
@@ -219,6 +235,29 @@ def _gemv(lib, w: GemvWeight, x2: torch.Tensor, mode: int, out_dtype: torch.dtyp
     if status.value:
         raise MemoryError("wq_gemv: could not allocate its activation buffer")
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _wq_op(isa: str, gemv_lib):
+    """`torch.ops.ascend_quant_cpu.wq_linear` with this GEMV build registered in it (its slot is
+    the build's index in ISAS, the op's `isa` argument), or None: no GEMV build, no C++ compiler
+    or torch headers, or `ASCEND_QUANT_CPU_OP=0` (the same kernels called through ctypes)."""
+    if gemv_lib is None or os.environ.get(OP_ENV, "1") == "0":
+        return None
+    lib = native.WQ_OP.load()
+    if lib is None:
+        return None
+    lib.wq_op_register(ISAS.index(isa), ctypes.cast(gemv_lib.wq_gemv, ctypes.c_void_p),
+                       ctypes.cast(gemv_lib.wq_dequant, ctypes.c_void_p))
+    _register_wq_fake()
+    return torch.ops.ascend_quant_cpu.wq_linear
+
+
+@functools.lru_cache(maxsize=1)
+def _register_wq_fake() -> None:
+    """The output's shape and dtype of `wq_linear` for tracing (vLLM's compiled mode)."""
+    @torch.library.register_fake("ascend_quant_cpu::wq_linear")
+    def _(x, q, scale, offset, bias, isa, bits, k, group_size, gp, max_m):
+        return x.new_empty((*x.shape[:-1], q.shape[0]))
 
 
 def _onednn_out_dtype(out_dtype: torch.dtype, has_bias: bool) -> torch.dtype:
@@ -403,6 +442,7 @@ class CpuBackend(ReferenceBackend):
         self.use_onednn = gemm == "onednn"
         self.isa = gemv_isa()
         self.gemv_lib = None if self.isa == "off" else native.WQ_GEMV[self.isa].load()
+        self.wq_op = _wq_op(self.isa, self.gemv_lib)
 
     def can_implement(self, op: str, **cfg) -> tuple[bool, str]:
         device = cfg.get("device", "cpu")
@@ -516,8 +556,13 @@ class CpuBackend(ReferenceBackend):
         instead of calling it through the opaque `ascend_quant::linear` op (a Python call per
         Linear, ~7 us of a decode step's ~120): a dynamic-activation int8 weight finalized to its
         oneDNN handler (`finalize_linear`), where the forward is the quantizer (numerics' torch
-        ops when traced) and vLLM's `onednn_scaled_mm`, both of which inductor keeps."""
+        ops when traced) and vLLM's `onednn_scaled_mm`, both of which inductor keeps; or a
+        weight in the GEMV layout with the C++ operator loaded (`ascend_quant_cpu::wq_linear`,
+        which inductor calls directly)."""
         w = linear.prepared
+        if isinstance(w, CpuWeightOnly):
+            # W8A16, W4A16, two-stage W4A8: the C++ operator (and the traced quantizer for W4A8)
+            return w.gemv is not None and self.wq_op is not None
         return (linear.scheme.activation_mode == "dynamic" and isinstance(w, CpuInt8Weight)
                 and w.onednn is not None and len(w.onednn) == 1 and not w.holds_integers())
 
@@ -556,6 +601,12 @@ class CpuBackend(ReferenceBackend):
         return CpuGroupedExperts(VnniExperts.build([w13.prepared for w13, _ in experts], bit),
                                  VnniExperts.build([w2.prepared for _, w2 in experts], bit), self)
 
+    def gemv_max_m(self, dtype: torch.dtype) -> int:
+        """Tokens up to which a weight-only Linear runs the GEMV kernel (beyond: float32 GEMMs
+        over dequantized k-chunks): every count on the amx build with bfloat16 activations,
+        else GEMV_MAX_M."""
+        return AMX_MAX_M if self.isa == "amx" and dtype == torch.bfloat16 else GEMV_MAX_M
+
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.float32):
         if _weight_mode() == "float32":
             ref = super().prepare_weight_only(weight, scale, offset, bits, dtype)
@@ -574,10 +625,15 @@ class CpuBackend(ReferenceBackend):
 
     def weight_only_matmul(self, x, w, bias=None, out_dtype=None):
         out_dtype = out_dtype or x.dtype
+        if w.gemv is not None and self.wq_op is not None:
+            g = w.gemv
+            y = self.wq_op(x, g.q, g.scale, g.offset, bias, ISAS.index(self.isa), g.bits, g.k, g.group_size, g.gp,
+                           self.gemv_max_m(x.dtype))
+            return y if y.dtype == out_dtype else y.to(out_dtype)
         if w.gemv is not None:
             g = w.gemv
             x2 = x.reshape(-1, x.shape[-1])
-            if x2.shape[0] <= GEMV_MAX_M and self.gemv_lib is not None:
+            if x2.shape[0] <= self.gemv_max_m(x.dtype) and self.gemv_lib is not None:
                 if x2.dtype not in (torch.float32, torch.bfloat16):
                     x2 = x2.float()
                 if x2.stride(-1) != 1:

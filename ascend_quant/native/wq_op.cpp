@@ -1,0 +1,108 @@
+// The weight-only quantized Linear as a torch operator (ascend-quant):
+//
+//     torch.ops.ascend_quant_cpu.wq_linear(x, q, scale, offset, bias, isa, bits, k, group_size, gp, max_m)
+//
+// y = x @ ((q - offset) * scale)^T + bias for the weights of `native/wq_gemv.c`'s layout
+// (runtime/kernels/cpu.py: GemvWeight), in x's dtype. Being a C++ operator, it is called
+// without Python: vLLM's compiled graph calls it directly with the layer's tensors, where our
+// Python op (`ascend_quant::linear`) needs a Python call, a forward-context lookup and a ctypes
+// call per Linear. The arithmetic is the C kernels', which this file does not contain: the
+// instruction-set builds of wq_gemv.c are compiled and loaded by Python (native/__init__.py),
+// which hands their entry points to `wq_op_register`, one slot per build (`isa`).
+//
+//   m <= max_m tokens: wq_gemv (mode 0) reads the integer weights once, converted in registers;
+//   more tokens: float32 GEMMs (ATen's mm) over k-chunks that wq_dequant converts, the
+//   algorithm of CpuBackend.weight_only_matmul's torch path.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+using gemv_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const void *w, int bits,
+                         int64_t n, int64_t groups, int64_t gsz, int64_t gp, const float *scale,
+                         const float *offset, const float *bias, const float *pertoken, int mode, void *y,
+                         int ydt, int64_t ldy, int nthreads, int *status);
+using dequant_fn = void (*)(const void *w, int bits, int64_t n, int64_t groups, int64_t gsz, int64_t gp,
+                            const float *scale, const float *offset, int64_t start, int64_t end, float *out,
+                            int64_t ldo, int nthreads);
+
+constexpr int kSlots = 5;            // the builds' indices (cpu.py: ISAS)
+gemv_fn g_gemv[kSlots] = {};
+dequant_fn g_dequant[kSlots] = {};
+constexpr int64_t kChunk = 1024;     // k-chunk of the large-batch path (reference.EXACT_F32_CHUNK)
+
+const float *opt_ptr(const c10::optional<at::Tensor> &t) {
+    return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+at::Tensor wq_linear(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale,
+                     const c10::optional<at::Tensor> &offset, const c10::optional<at::Tensor> &bias, int64_t isa,
+                     int64_t bits, int64_t k, int64_t group_size, int64_t gp, int64_t max_m) {
+    TORCH_CHECK(isa >= 0 && isa < kSlots && g_gemv[isa] && g_dequant[isa],
+                "ascend_quant_cpu::wq_linear: the GEMV build ", isa, " is not loaded in this process");
+    TORCH_CHECK(x.size(-1) == k, "ascend_quant_cpu::wq_linear: x has ", x.size(-1), " in-features, the weight ", k);
+    TORCH_CHECK(q.dtype() == at::kChar && q.is_contiguous() && scale.dtype() == at::kFloat && scale.is_contiguous(),
+                "ascend_quant_cpu::wq_linear: q must be contiguous int8 and scale contiguous float32");
+    TORCH_CHECK(!offset.has_value() || (offset->dtype() == at::kFloat && offset->is_contiguous()),
+                "ascend_quant_cpu::wq_linear: offset must be contiguous float32");
+    const int64_t n = q.size(0), groups = scale.size(1);
+    const at::ScalarType out_dtype = x.scalar_type();
+    at::Tensor x2 = x.reshape({-1, k});
+    if (x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
+    if (x2.stride(-1) != 1) x2 = x2.contiguous();
+    const int64_t m = x2.size(0);
+    c10::optional<at::Tensor> b;
+    if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+    const int threads = at::get_num_threads();
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(n);
+
+    if (m <= max_m) {
+        const bool bf16 = x2.scalar_type() == at::kBFloat16;
+        at::Tensor y = at::empty({m, n}, x2.options());
+        int status = 0;
+        g_gemv[isa](x2.data_ptr(), bf16 ? 1 : 0, m, k, x2.stride(0), q.data_ptr(), (int)bits, n, groups, group_size,
+                    gp, scale.data_ptr<float>(), opt_ptr(offset), opt_ptr(b), nullptr, 0, y.data_ptr(),
+                    bf16 ? 1 : 0, n, threads, &status);
+        TORCH_CHECK(status == 0, "ascend_quant_cpu::wq_linear: wq_gemv could not allocate its activation buffer");
+        return (y.scalar_type() == out_dtype ? y : y.to(out_dtype)).view(shape);
+    }
+    // larger batches: float32 GEMMs over dequantized k-chunks (whole groups per chunk)
+    const at::Tensor xf = x2.to(at::kFloat);
+    const int64_t step = std::max(group_size, kChunk / group_size * group_size);
+    at::Tensor w = at::empty({n, std::min(step, k)}, xf.options());
+    at::Tensor y;
+    for (int64_t start = 0; start < k; start += step) {
+        const int64_t end = std::min(start + step, k);
+        at::Tensor wc = w.narrow(1, 0, end - start);
+        g_dequant[isa](q.data_ptr(), (int)bits, n, groups, group_size, gp, scale.data_ptr<float>(), opt_ptr(offset),
+                       start, end, wc.data_ptr<float>(), w.stride(0), threads);
+        at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t());
+        y = start == 0 ? part : y.add_(part);
+    }
+    if (b.has_value()) y.add_(*b);
+    return y.to(out_dtype).view(shape);
+}
+
+}  // namespace
+
+// Python hands over the entry points of one build of wq_gemv.c (slot = its index in cpu.ISAS).
+extern "C" void wq_op_register(int slot, void *gemv, void *dequant) {
+    if (slot >= 0 && slot < kSlots) {
+        g_gemv[slot] = reinterpret_cast<gemv_fn>(gemv);
+        g_dequant[slot] = reinterpret_cast<dequant_fn>(dequant);
+    }
+}
+
+TORCH_LIBRARY(ascend_quant_cpu, m) {
+    m.def("wq_linear(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int isa, int bits, int k, "
+          "int group_size, int gp, int max_m) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ascend_quant_cpu, CPU, m) {
+    m.impl("wq_linear", &wq_linear);
+}
