@@ -21,7 +21,9 @@ our W8A8_DYNAMIC checkpoint converted with `ascend-quant convert --to compressed
 Each engine runs in its own process with the same threads: prefill tokens/s (16 prompts x
 256 tokens, one generated), decode tokens/s (8 sequences, 32 generated; from the engine's
 inter-token timestamps), each the fastest of REPEATS runs in the engine, and with `--rounds N`
-the fastest of N engine processes started in turn (bf16, ours, vLLM int8, bf16, ...), and the bytes the Linears hold after loading against
+the fastest of N engine processes started in turn (bf16, ours, vLLM int8, bf16, ...); `--variant`
+adds a row that runs an engine with environment switches (an earlier kernel path, side by side
+in the same run); and the bytes the Linears hold after loading against
 their bf16 size (vLLM's oneDNN int8 path keeps its weights inside opaque handles, which
 this count cannot see). Checkpoints are made on first use (min-max rounding, 16 samples: speed and memory
 do not depend on calibration quality) under ~/.cache/ascend-quant/bench-*.
@@ -245,9 +247,17 @@ def run_e2e(args) -> dict:
     from ascend_quant.assets import reference_model_dir
 
     engines = bench_checkpoints(Path(reference_model_dir()), args.ct, args.float32_quantized)
+    variants = {}
+    for spec in args.variant:
+        base, _, assignments = spec.partition(":")
+        if base not in engines or "=" not in assignments:
+            raise SystemExit(f"--variant {spec!r}: use ENGINE:VAR=VALUE[,VAR=VALUE] with ENGINE one of {', '.join(engines)}")
+        extra = dict(a.split("=", 1) for a in assignments.split(","))
+        variants[f"{base} ({', '.join(f'{k}={v}' for k, v in extra.items())})"] = (*engines[base], extra)
     if args.engines:
         wanted = [w.strip() for w in args.engines.split(",")]
         engines = {k: v for k, v in engines.items() if k in wanted}
+    engines = {name: (*spec, {}) for name, spec in engines.items()} | variants
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     rows: dict[str, dict] = {}
@@ -256,7 +266,7 @@ def run_e2e(args) -> dict:
     # rounds interleaved (every engine once, then again), so that a busy spell on the machine
     # hits every engine; the fastest prefill and decode of the rounds count (all kept in the JSON)
     for rnd in range(args.rounds):
-        for name, (folder, quant, dtype) in engines.items():
+        for name, (folder, quant, dtype, extra_env) in engines.items():
             if "error" in rows.get(name, {}):
                 continue
             cmd = [sys.executable, str(Path(__file__).resolve()), "_engine", "--model", folder,
@@ -266,7 +276,7 @@ def run_e2e(args) -> dict:
             if args.compiled:
                 cmd.append("--compiled")
             print(f"[e2e] round {rnd + 1}/{args.rounds} {name} ...", file=sys.stderr, flush=True)
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            r = subprocess.run(cmd, env={**env, **extra_env}, capture_output=True, text=True)
             line = next((l for l in r.stdout.splitlines() if l.startswith("E2E_RESULT ")), None)
             if r.returncode != 0 or line is None:
                 rows[name] = {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
@@ -395,6 +405,9 @@ def main(argv=None) -> int:
                     help="end to end in vLLM's default compiled mode instead of enforce_eager")
     ap.add_argument("--rounds", type=int, default=1,
                     help="end-to-end rounds, interleaved across engines; the fastest of each engine counts")
+    ap.add_argument("--variant", action="append", default=[], metavar="ENGINE:VAR=VALUE[,VAR=VALUE]",
+                    help="one more row: ENGINE run with these environment variables (e.g. 'ascend w8a16:"
+                         "ASCEND_QUANT_CPU_ISA=avx512bf16,ASCEND_QUANT_CPU_OP=0' for an earlier kernel path); repeatable")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_engine"]:
         return engine_child(argv[1:])
