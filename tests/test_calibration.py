@@ -482,9 +482,10 @@ def test_reproduces_msmodelslim_static_w8a8_c8(tmp_path, tiny, calib_jsonl):
     Bit for bit where inputs are the float model's own tensors; within 1 ulp where activations
     pass through float GEMMs whose summation order depends on the CPU. So: every integer weight
     everywhere and every tensor of layer 0 (its input is the embedding) are bit-exact; in later
-    layers an activation-derived scale (input_scale, deq_scale) may differ by 1 ulp (seen on an
-    AVX-512 VNNI CPU; bit-exact on the AVX2 CPU the fixture was first matched on), and only
-    where it does may the integers derived from it (input_offset, quant_bias) move by 1.
+    layers an activation-derived scale (input_scale, deq_scale) may differ by up to 2 ulps (seen:
+    1 ulp on an AVX-512 VNNI CPU, 2 ulps on an AMX Xeon in layer 1's gate/up input range;
+    bit-exact on the AVX2 CPU the fixture was first matched on), and only where it does may the
+    integers derived from it (input_offset, quant_bias) move by 1.
     C8 scales are exact in layer 0; in layer 1 at most one channel of each differs, by about
     1 LSB of its largest value: we run the 8 samples as one padded batch, msModelSlim one at a
     time, and the different summation order flips a rounding upstream."""
@@ -506,7 +507,7 @@ def test_reproduces_msmodelslim_static_w8a8_c8(tmp_path, tiny, calib_jsonl):
         if exact or torch.equal(mine[name], gold[name]):
             assert torch.equal(mine[name], gold[name]), name
         elif suffix in ("input_scale", "deq_scale"):
-            assert _ulps(mine[name], gold[name]).max() <= 1, name
+            assert _ulps(mine[name], gold[name]).max() <= 2, name
             moved.add(linear)
         else:
             assert linear in moved, f"{name} differs while its scales are bit-exact"
