@@ -3,7 +3,8 @@
 
     .venv/bin/python benchmarks/report.py          # rewrites README.md between the markers
 
-Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime,runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache}.*
+Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-amx,runtime-amx,runtime,
+runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache}.*
 (whichever exist; quick and ad-hoc runs are ignored) and replaces the text between
 `<!-- results:start -->` and `<!-- results:end -->` in README.md. Every number in that section comes from those files.
 """
@@ -100,8 +101,12 @@ def build() -> str:
     gemma = _load("calibration-gemma")
     if gemma:
         lines += calibration_section(gemma, "Calibration: Gemma-3-270m (ascend-quant)", "calibration-gemma") + [""]
+    lines += markdown_file_section("runtime-e2e-compiled-amx", "vLLM end to end, compiled (vLLM's default mode), "
+                                   "Intel Xeon with AMX (stop 25)") + [""]
+    lines += markdown_file_section("runtime-amx", "Runtime kernels, Intel Xeon with AMX (stop 25)") + [""]
     lines += markdown_file_section("runtime", "Runtime kernels (CPU)") + [""]
-    lines += markdown_file_section("runtime-e2e-compiled", "vLLM end to end, compiled (vLLM's default mode)") + [""]
+    lines += markdown_file_section("runtime-e2e-compiled", "vLLM end to end, compiled (vLLM's default mode), "
+                                   "AMD EPYC (stop 23)") + [""]
     lines += markdown_file_section("runtime-e2e", "vLLM end to end, enforce_eager: tokens/s and weight memory per scheme") + [""]
     lines += markdown_file_section("moe_runtime", "MoE in vLLM: quantized experts vs bf16 (re-cut SmolLM2-135M)") + [""]
     lines += markdown_file_section("weight_memory", "Weight memory of quantized Linears in vLLM") + [""]

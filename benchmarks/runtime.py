@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import subprocess
@@ -300,7 +301,7 @@ def run_e2e(args) -> dict:
     for row in rows.values():
         if "error" not in row:
             row["linear_memory_vs_bf16"] = row["linear_bytes"] / row["linear_bf16_bytes"] if row["linear_bf16_bytes"] else None
-    command = " ".join(["benchmarks/runtime.py", *sys.argv[1:]]).replace(str(Path(__file__).resolve().parent.parent), ".")
+    command = shlex.join(["benchmarks/runtime.py", *sys.argv[1:]]).replace(str(Path(__file__).resolve().parent.parent), ".")
     return {"command": command, "threads": args.threads, "compiled": args.compiled, "rounds": args.rounds,
             "repeats": REPEATS,
             "started": started, "load_avg_at_start": load_at_start, "load_avg_at_end": [round(v, 2) for v in os.getloadavg()], "vnni": cpu_has_vnni(), "cpu": cpu_description(), "prefill": {"prompts": PREFILL[0], "tokens": PREFILL[1]},
