@@ -8,7 +8,10 @@
 // Python op (`ascend_quant::linear`) needs a Python call, a forward-context lookup and a ctypes
 // call per Linear. The arithmetic is the C kernels', which this file does not contain: the
 // instruction-set builds of wq_gemv.c are compiled and loaded by Python (native/__init__.py),
-// which hands their entry points to `wq_op_register`, one slot per build (`isa`).
+// which hands their entry points to `wq_op_register`, one slot per build (`isa`). The slot is a
+// constant of a traced graph: a graph that vLLM's compile cache hands to another process finds
+// it registered there as long as that process selects the same build (its layers' backend
+// registers it while loading); otherwise the call fails naming the slot, never runs another build.
 //
 //   m <= max_m tokens: wq_gemv (mode 0) reads the integer weights once, converted in registers;
 //   more tokens: float32 GEMMs (ATen's mm) over k-chunks that wq_dequant converts, the
