@@ -67,12 +67,13 @@ class NativeLibrary:
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if not cc:
             raise RuntimeError("no C compiler (cc/gcc) on PATH")
+        cc = self.compiler(cc)
         dst.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst.parent)
         os.close(fd)
         try:
             extra = ["-lmvec"] if self.fast_math_fallback else []
-            r = subprocess.run([self.compiler(cc), *self.flags, str(self.source), "-o", tmp, *self.libs, *extra],
+            r = subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, *self.libs, *extra],
                                capture_output=True, text=True)
             if r.returncode != 0 and self.fast_math_fallback:      # no libmvec (non-glibc): scalar expf
                 r = subprocess.run([cc, *[f for f in self.flags if f != "-ffast-math"], str(self.source), "-o", tmp,
@@ -150,7 +151,6 @@ WQ_GEMV = {
     "avx512": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512], []),
     "avx2": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, "-mavx2", "-mfma"], []),
 }
-
 
 
 class TorchOpLibrary(NativeLibrary):

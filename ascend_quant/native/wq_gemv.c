@@ -310,8 +310,6 @@ static int amx_permitted(void) {
     return state;
 }
 
-int wq_amx_ready(void) { return amx_permitted(); }
-
 static inline __m512i bf16_row32_8(const int8_t *p) {     /* 32 int8 values -> 32 bfloat16 */
     __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
@@ -411,7 +409,7 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
             float *ost = st + groups * 32;
             /* tokens in spans of about 512 KiB of activations, which stay in a core's cache while
              * every block of channels passes over them (the panels are converted once per span) */
-            const int64_t span = (512 * 1024 / (kp * 2)) / 32 * 32 > 64 ? (512 * 1024 / (kp * 2)) / 32 * 32 : 64;
+            const int64_t fit = 512 * 1024 / (kp * 2) / 32 * 32, span = fit > 64 ? fit : 64;
             for (int64_t m0 = 0; m0 < m; m0 += span) {
             const int64_t m1 = m0 + span < m ? m0 + span : m;
 #pragma omp for schedule(static)
@@ -522,7 +520,6 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
 }
 #else
 #define HAVE_AMX 0
-int wq_amx_ready(void) { return 0; }
 #endif
 
 /* x: [m, k] with row stride ldx, dtype xdt (0 float32, 1 bfloat16, 2 int8); y: [m, n] with row
