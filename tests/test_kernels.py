@@ -9,6 +9,7 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.runtime import kernels
 from ascend_quant.runtime.kernels import npu_emulation
+from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import CpuBackend, cpu_has_vnni, vllm_cpu_ops
 from ascend_quant.runtime.kernels.npu import NpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
@@ -16,12 +17,17 @@ from ascend_quant.schemes import PreparedLinear
 from conftest import rounding_boundaries
 
 REF = ReferenceBackend()
+HAS_AMX = cpu.cpu_has_amx_int8() and cpu.cpu_isa() == "amx"       # our AMX-INT8 GEMM runs here
+# the traceable dynamic int8 paths this CPU runs (neither: the test checks it is not traced)
+TRACED_GEMMS = [g for g, ok in (("amx", HAS_AMX), ("onednn", cpu_has_vnni() and vllm_cpu_ops() is not None)) if ok]
 
 
 def _backends():
     out = [pytest.param(CpuBackend(gemm="f32"), id="cpu-f32"), pytest.param(CpuBackend(gemm="int_mm"), id="cpu-int_mm")]
     if cpu_has_vnni() and vllm_cpu_ops() is not None:
         out.append(pytest.param(CpuBackend(gemm="onednn"), id="cpu-onednn"))
+    if HAS_AMX:
+        out.append(pytest.param(CpuBackend(gemm="amx"), id="cpu-amx"))
     out.append(pytest.param(NpuBackend(nz=True), id="npu-emulated"))
     return out
 
@@ -228,7 +234,10 @@ def test_cpu_gemm_switch_forces_a_path(monkeypatch):
     with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_GEMM='fast'"):
         kernels.get_backend("cpu", "int8_matmul")
     monkeypatch.delenv(GEMM_ENV)
-    expected = "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
+    if HAS_AMX:
+        expected = "amx"
+    else:
+        expected = "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
     assert kernels.get_backend("cpu", "int8_matmul").gemm == expected
 
 
@@ -238,6 +247,7 @@ def test_onednn_is_refused_without_vnni(monkeypatch):
     from ascend_quant.runtime.kernels import cpu
 
     monkeypatch.setattr(cpu, "cpu_has_vnni", lambda: False)
+    monkeypatch.setattr(cpu, "cpu_has_amx_int8", lambda: False)    # no CPU has AMX-INT8 without VNNI
     assert cpu.default_gemm() == "f32"
     with pytest.raises(ValueError, match="needs vLLM's CPU ops and a CPU with VNNI"):
         CpuBackend(gemm="onednn")
@@ -284,22 +294,24 @@ def test_finalized_int8_linear_keeps_one_copy(out_dtype, with_bias):
 @pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC"])
 @pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, False), (torch.bfloat16, True),
                                                  (torch.float32, True)])
-def test_traced_int8_linear_equals_the_eager_call(scheme, out_dtype, with_bias):
-    """Where the cpu backend says a finalized dynamic int8 Linear is torch ops only
-    (`traceable`: oneDNN, VNNI CPUs), torch.compile traces it whole (fullgraph: the C quantizer
-    would break the graph) and inductor's compiled quantizer gives the eager call's outputs bit
-    for bit, on rounding boundaries of x / s_t, for token counts 1 to 33 in one dynamic graph.
-    Elsewhere (no VNNI: our own GEMM, which keeps integers and calls C) it is not traceable."""
+@pytest.mark.parametrize("gemm", TRACED_GEMMS or ["f32"])
+def test_traced_int8_linear_equals_the_eager_call(scheme, out_dtype, with_bias, gemm):
+    """Where the cpu backend says a finalized dynamic int8 Linear is traceable (oneDNN, VNNI
+    CPUs: torch ops; AMX-INT8 CPUs: our operator, which quantizes inside), torch.compile traces
+    it whole (fullgraph: the C quantizer would break the graph) and gives the eager call's
+    outputs bit for bit (oneDNN: inductor's compiled quantizer), on rounding boundaries of
+    x / s_t, for token counts 1 to 33 in one dynamic graph. Elsewhere (no VNNI: our own GEMM,
+    which keeps integers and calls C) it is not traceable."""
     g = torch.Generator().manual_seed(5)
     n, k = 40, 754                  # 754 of the 763 boundary columns: a vector tail
     w_q, s = numerics.quantize_weight(torch.randn(n, k, generator=g), 4 if scheme == "W4A8_DYNAMIC" else 8)
     t = {"weight": numerics.pack_int4(w_q) if scheme == "W4A8_DYNAMIC" else w_q, "weight_scale": s.float(),
          "weight_offset": torch.zeros_like(s)}
-    b = CpuBackend()
+    b = CpuBackend(gemm=gemm)
     pl = PreparedLinear.build(scheme, t, backend=b, dtype=out_dtype)
     ref = PreparedLinear.build(scheme, t, backend=REF, dtype=out_dtype)
     b.finalize_linear(pl, out_dtype, with_bias)
-    if not b.use_onednn:
+    if gemm == "f32":
         assert not b.traceable(pl)
         return
     assert b.traceable(pl)

@@ -141,12 +141,13 @@ _WQ_SIG = {"wq_gemv": [_p, _i32, _i64, _i64, _i64, _p, _i32, _i64, _i64, _i64, _
                        _i32, _p, _i32, _i64, _i32, _p],
            "wq_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32],
            "wq_glu_quant_dynamic": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32],
-           "wq_dequant": [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i32]}
+           "wq_dequant": [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i32],
+           "wq_int8_linear": [_p, _i32, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _p, _p, _i32, _i64, _i32, _p]}
 _WQ_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
 WQ_GEMV = {
     "amx": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512, "-mavx512vl", "-mavx512bf16", "-mamx-tile",
-                                                       "-mamx-bf16"], []),
+                                                       "-mamx-bf16", "-mamx-int8"], []),
     "avx512bf16": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512, "-mavx512vl", "-mavx512bf16"], []),
     "avx512": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, *_AVX512], []),
     "avx2": NativeLibrary(HERE / "wq_gemv.c", _WQ_SIG, [*_WQ_FLAGS, "-mavx2", "-mfma"], []),
@@ -186,7 +187,7 @@ class TorchOpLibrary(NativeLibrary):
 
 # `torch.ops.ascend_quant_cpu.wq_linear`: the weight-only Linear on wq_gemv.c's kernels without
 # Python in between (runtime/kernels/cpu.py registers each GEMV build it loads)
-WQ_OP = TorchOpLibrary(HERE / "wq_op.cpp", {"wq_op_register": [_i32, _p, _p]})
+WQ_OP = TorchOpLibrary(HERE / "wq_op.cpp", {"wq_op_register": [_i32, _p, _p], "wq_op_register_int8": [_p]})
 
 INT8_EXPERTS = NativeLibrary(
     HERE / "int8_experts.c",

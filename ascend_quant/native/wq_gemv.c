@@ -775,3 +775,156 @@ void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t 
         free(a);
     }
 }
+
+/* The int8 x int8 Linear on AMX-INT8 tiles (the `amx` build with -mamx-int8):
+ *
+ *     y[t, j] = (((acc[t, j] + qbias[j]) * scale[j]) * s_t[t]) + bias[j],  acc = x_q @ w^T (int32)
+ *
+ * the reference's epilogue (runtime/kernels/reference.py: int8_epilogue) in its order, in
+ * float32, cast to y's dtype last. x is either int8 (xdt 2: x_q given, s_t = pertoken[t] or
+ * no multiply when pertoken is NULL) or float32 / bfloat16 (xdt 0 / 1: quantized here per
+ * token by quant_row, wq_quant_dynamic's quantizer, into the tiles' buffer; s_t its scales).
+ * qbias, bias may be NULL.
+ *
+ * Weight layout (made by runtime/kernels/cpu.py: AmxInt8Weight): n padded to a multiple of 32
+ * channels and k to kp, a multiple of 64, with zeros; for each block of 32 channels and each
+ * 64 in-features, two 1 KiB B tiles (channels 0-15, then 16-31), each 16 rows of 4 in-features
+ * x 16 channels: byte ((b * kp/64 + c) * 2 + h) * 1024 + r * 64 + j * 4 + q holds
+ * w[32 b + 16 h + j, 64 c + 4 r + q]. TDPBSSD multiplies a 16-token x 64 tile of x_q by one of
+ * them into 16 x 16 int32 sums, exact (|acc| <= 127 * 128 * kp < 2^31 for kp < 2^17).
+ * The output channels are spread over threads, tokens go in spans whose int8 rows stay in a
+ * core's cache while every block of channels passes over them. Sets *status: 1 for a failed
+ * allocation, 2 where this build or the kernel cannot run AMX-INT8 (y untouched). */
+#if HAVE_AMX && defined(__AMX_INT8__)
+#ifndef PF_AHEAD
+#define PF_AHEAD 8192
+#endif
+void wq_int8_linear(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
+                    const int8_t *wp, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
+                    const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    if (!amx_permitted() || kp % 64 || k > kp) { *status = 2; return; }
+    const int64_t mp = (m + 15) / 16 * 16, kb = kp / 64, blocks = (n + 31) / 32;
+    int8_t *xq = aligned_alloc(64, (size_t)(mp * kp));
+    float *st = malloc((size_t)mp * sizeof(float));
+    if (!xq || !st) { free(xq); free(st); *status = 1; return; }
+    const int esz = xdt == 0 ? 4 : xdt == 1 ? 2 : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k >= (1 << 15))
+    for (int64_t t = 0; t < mp; t++) {
+        int8_t *row = xq + t * kp;
+        if (t >= m) { memset(row, 0, (size_t)kp); st[t] = 0.f; continue; }
+        const char *src = (const char *)x + t * ldx * esz;
+        if (xdt == 2) {
+            memcpy(row, src, (size_t)k);
+            st[t] = pertoken ? pertoken[t] : 1.f;
+        } else {
+            st[t] = quant_row(src, xdt, k, row);
+        }
+        if (kp > k) memset(row + k, 0, (size_t)(kp - k));
+    }
+    const int use_st = xdt != 2 || pertoken;
+    const int stream = m * n * (ydt == 0 ? 4 : 2) >= (4 << 20);
+    /* tokens per span: about 512 KiB of int8 rows, a multiple of 32 */
+    const int64_t fit = 512 * 1024 / kp / 32 * 32, span = fit > 32 ? fit : 32;
+#pragma omp parallel num_threads(nthreads)
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+        _tile_loadconfig(&cfg);
+        int32_t cb[1024] __attribute__((aligned(64)));      /* C tiles [tile][16 tokens][16 ch] */
+        {
+            for (int64_t m0 = 0; m0 < mp; m0 += span) {
+                const int64_t m1 = m0 + span < mp ? m0 + span : mp;
+#pragma omp for schedule(static)
+                for (int64_t b = 0; b < blocks; b++) {
+                    const int64_t j0 = b * 32, nj = n - j0 < 32 ? n - j0 : 32;
+                    const int8_t *wb = wp + b * kb * 2048;
+                    const __mmask16 mask[2] = {(__mmask16)(nj >= 16 ? 0xFFFF : (1u << nj) - 1),
+                                               (__mmask16)(nj <= 16 ? 0 : nj >= 32 ? 0xFFFF : (1u << (nj - 16)) - 1)};
+                    __m512 sc[2], bi[2];
+                    __m512i qb[2];
+                    for (int h = 0; h < 2; h++) {
+                        sc[h] = _mm512_maskz_loadu_ps(mask[h], scale + j0 + h * 16);
+                        bi[h] = bias ? _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16) : _mm512_setzero_ps();
+                        qb[h] = qbias ? _mm512_maskz_loadu_epi32(mask[h], qbias + j0 + h * 16) : _mm512_setzero_si512();
+                    }
+                    /* weights PF_AHEAD bytes ahead (into the next block's) into the cache on the first
+                     * pass over them: in decode they come cold from memory and the tiles wait on them */
+                    const int pf = m0 == 0 && b + 1 < blocks;
+                    for (int64_t t0 = m0; t0 < m1; t0 += 32) {
+                        const int two = m1 - t0 > 16;
+                        const int8_t *xa = xq + t0 * kp, *xb = xa + 16 * kp;
+                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                        for (int64_t c = 0; c < kb; c++) {
+                            if (pf && t0 == m0)
+                                for (int o = 0; o < 2048; o += 64) _mm_prefetch((const char *)wb + c * 2048 + PF_AHEAD + o, _MM_HINT_T0);
+                            _tile_loadd(6, wb + c * 2048, 64);           /* channels 0-15 */
+                            _tile_loadd(7, wb + c * 2048 + 1024, 64);    /* channels 16-31 */
+                            if (two) {
+                                _tile_loadd(4, xa + c * 64, kp);
+                                _tile_dpbssd(0, 4, 6);
+                                _tile_dpbssd(1, 4, 7);
+                                _tile_loadd(5, xb + c * 64, kp);
+                                _tile_dpbssd(2, 5, 6);
+                                _tile_dpbssd(3, 5, 7);
+                            } else if (c % 2 == 0) {
+                                /* one tile of tokens: even and odd steps into separate sums (C 0, 1 and
+                                 * C 2, 3), so that four chains of dependent TDPBSSDs run instead of two */
+                                _tile_loadd(4, xa + c * 64, kp);
+                                _tile_dpbssd(0, 4, 6);
+                                _tile_dpbssd(1, 4, 7);
+                            } else {
+                                _tile_loadd(5, xa + c * 64, kp);
+                                _tile_dpbssd(2, 5, 6);
+                                _tile_dpbssd(3, 5, 7);
+                            }
+                        }
+                        _tile_stored(0, cb, 64);
+                        _tile_stored(1, cb + 256, 64);
+                        _tile_stored(2, cb + 512, 64);
+                        _tile_stored(3, cb + 768, 64);
+                        for (int64_t t = 0; t < (two ? 32 : 16) && t0 + t < m; t++) {
+                            const int64_t tok = t0 + t;
+                            const __m512 s = _mm512_set1_ps(st[tok]);
+                            __m512 v[2];
+                            for (int h = 0; h < 2; h++) {
+                                __m512i a = _mm512_load_si512((const void *)(cb + ((t >> 4) * 2 + h) * 256 + (t & 15) * 16));
+                                if (!two) a = _mm512_add_epi32(a, _mm512_load_si512((const void *)(cb + (2 + h) * 256 + t * 16)));
+                                if (qbias) a = _mm512_add_epi32(a, qb[h]);
+                                v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(a), sc[h]);
+                                if (use_st) v[h] = _mm512_mul_ps(v[h], s);
+                                if (bias) v[h] = _mm512_add_ps(v[h], bi[h]);
+                            }
+                            if (ydt == 0) {
+                                for (int h = 0; h < 2; h++) {
+                                    float *dst = (float *)y + tok * ldy + j0 + h * 16;
+                                    if (stream && mask[h] == 0xFFFF && ((uintptr_t)dst & 63) == 0) _mm512_stream_ps(dst, v[h]);
+                                    else if (mask[h]) _mm512_mask_storeu_ps(dst, mask[h], v[h]);
+                                }
+                            } else {
+                                uint16_t *dst = (uint16_t *)y + tok * ldy + j0;
+                                const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+                                if (stream && nj == 32 && ((uintptr_t)dst & 63) == 0) _mm512_stream_si512((void *)dst, packed);
+                                else _mm512_mask_storeu_epi16(dst, (__mmask32)mask[0] | (__mmask32)mask[1] << 16, packed);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+        if (stream) _mm_sfence();
+    }
+    free(xq);
+    free(st);
+}
+#else
+void wq_int8_linear(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
+                    const int8_t *wp, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
+                    const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    (void)x; (void)xdt; (void)m; (void)k; (void)ldx; (void)pertoken; (void)wp; (void)n; (void)kp; (void)scale;
+    (void)qbias; (void)bias; (void)y; (void)ydt; (void)ldy; (void)nthreads;
+    *status = 2;        /* this build has no AMX-INT8 */
+}
+#endif

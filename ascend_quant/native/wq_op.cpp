@@ -91,7 +91,54 @@ at::Tensor wq_linear(const at::Tensor &x, const at::Tensor &q, const at::Tensor 
     return y.to(out_dtype).view(shape);
 }
 
+using int8_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
+                        const int8_t *wp, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
+                        const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status);
+int8_fn g_int8 = nullptr;
+
+// y = (((x_q @ w^T + quant_bias) * scale) * s_t) + bias on AMX-INT8 tiles (wq_gemv.c: wq_int8_linear)
+// for weights in its layout (runtime/kernels/cpu.py: AmxInt8Weight, wp int8 [ceil(n/32) * 32 * kp]).
+// x int8: x_q given, s_t = pertoken (none: no multiply), output out_dtype (default float32);
+// x float32 / bfloat16: quantized per token inside the call (the reference's quantizer), output
+// x's dtype unless out_dtype says otherwise.
+at::Tensor int8_linear(const at::Tensor &x, const c10::optional<at::Tensor> &pertoken, const at::Tensor &wp,
+                       const at::Tensor &scale, const c10::optional<at::Tensor> &quant_bias,
+                       const c10::optional<at::Tensor> &bias, int64_t n, c10::optional<at::ScalarType> out_dtype) {
+    TORCH_CHECK(g_int8, "ascend_quant_cpu::int8_linear: the amx build of the GEMV library is not loaded in this process");
+    const int64_t k = x.size(-1), np = (n + 31) / 32 * 32, kp = wp.numel() / np;
+    TORCH_CHECK(wp.dtype() == at::kChar && wp.is_contiguous() && kp * np == wp.numel() && kp % 64 == 0 && kp >= k,
+                "ascend_quant_cpu::int8_linear: the packed weight does not hold ", n, " channels of ", k, " in-features");
+    TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+                "ascend_quant_cpu::int8_linear: scale must be contiguous float32 [n]");
+    at::Tensor x2 = x.reshape({-1, k});
+    const bool int8_in = x2.scalar_type() == at::kChar;
+    if (!int8_in && x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
+    if (x2.stride(-1) != 1) x2 = x2.contiguous();
+    const int64_t m = x2.size(0);
+    const at::ScalarType want = out_dtype.has_value() ? *out_dtype : (int8_in ? at::kFloat : x.scalar_type());
+    const bool bf16_out = want == at::kBFloat16;
+    at::Tensor y = at::empty({m, n}, x2.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+    c10::optional<at::Tensor> pt, qb, b;
+    if (int8_in && pertoken.has_value()) pt = pertoken->to(at::kFloat).reshape({-1}).contiguous();
+    if (quant_bias.has_value()) qb = quant_bias->to(at::kInt).contiguous();
+    if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(!pt.has_value() || pt->numel() == m, "ascend_quant_cpu::int8_linear: one pertoken scale per token");
+    int status = 0;
+    g_int8(x2.data_ptr(), int8_in ? 2 : x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
+           pt.has_value() ? pt->data_ptr<float>() : nullptr, wp.data_ptr<int8_t>(), n, kp, scale.data_ptr<float>(),
+           qb.has_value() ? qb->data_ptr<int32_t>() : nullptr, opt_ptr(b), y.data_ptr(), bf16_out ? 1 : 0, n,
+           at::get_num_threads(), &status);
+    TORCH_CHECK(status != 1, "ascend_quant_cpu::int8_linear: could not allocate its activation buffer");
+    TORCH_CHECK(status == 0, "ascend_quant_cpu::int8_linear: this CPU or process cannot run AMX-INT8");
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(n);
+    return (y.scalar_type() == want ? y : y.to(want)).view(shape);
+}
+
 }  // namespace
+
+// Python hands over the amx build's wq_int8_linear (the only build with AMX-INT8).
+extern "C" void wq_op_register_int8(void *fn) { g_int8 = reinterpret_cast<int8_fn>(fn); }
 
 // Python hands over the entry points of one build of wq_gemv.c (slot = its index in cpu.ISAS).
 extern "C" void wq_op_register(int slot, void *gemv, void *dequant) {
@@ -104,8 +151,11 @@ extern "C" void wq_op_register(int slot, void *gemv, void *dequant) {
 TORCH_LIBRARY(ascend_quant_cpu, m) {
     m.def("wq_linear(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int isa, int bits, int k, "
           "int group_size, int gp, int max_m) -> Tensor");
+    m.def("int8_linear(Tensor x, Tensor? pertoken, Tensor wp, Tensor scale, Tensor? quant_bias, Tensor? bias, "
+          "int n, ScalarType? out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ascend_quant_cpu, CPU, m) {
     m.impl("wq_linear", &wq_linear);
+    m.impl("int8_linear", &int8_linear);
 }

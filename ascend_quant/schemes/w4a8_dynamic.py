@@ -129,13 +129,13 @@ class W4A8Dynamic(Scheme):
         if getattr(b, "name", "") == "npu":
             # vllm-ascend runs dense W4A8 as an int4 weight-only matmul (ascend-format.md §3)
             return b.weight_only_matmul(x, linear.prepared, bias=bias)
+        if not linear.extra["per_group"]:
+            return b.int8_matmul_dynamic(x, linear.prepared, bias=bias, out_dtype=x.dtype)
         x_q, s_t = b.quantize_dynamic(x)
-        if linear.extra["per_group"]:
-            y = b.weight_only_matmul(x_q.float(), linear.prepared, out_dtype=torch.float32) * s_t.float()
-            if bias is not None:
-                y = y + bias.float()
-            return y.to(x.dtype)
-        return b.int8_matmul(x_q, linear.prepared, pertoken_scale=s_t, bias=bias, out_dtype=x.dtype)
+        y = b.weight_only_matmul(x_q.float(), linear.prepared, out_dtype=torch.float32) * s_t.float()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
 
 
 SCHEME = W4A8Dynamic()

@@ -61,9 +61,7 @@ class W8A8Dynamic(Scheme):
         return PreparedLinear(self, backend, backend.prepare_int8(w, t["weight_scale"].float().reshape(-1)), n, k)
 
     def forward(self, linear, x, bias):
-        b = linear.backend
-        x_q, s_t = b.quantize_dynamic(x)
-        return b.int8_matmul(x_q, linear.prepared, pertoken_scale=s_t, bias=bias, out_dtype=x.dtype)
+        return linear.backend.int8_matmul_dynamic(x, linear.prepared, bias=bias, out_dtype=x.dtype)
 
 
 SCHEME = W8A8Dynamic()

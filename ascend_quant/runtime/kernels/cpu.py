@@ -1,6 +1,12 @@
 """The fast CPU backend: exact int8 GEMM and a per-token quantizer equal to the reference's.
 
 The int8 x int8 product is exact on every path; which one runs (`gemm`):
+  * "amx": our AMX-INT8 kernel (`native/wq_gemv.c`: wq_int8_linear, through the C++ operator
+    `ascend_quant_cpu::int8_linear`), the default where the CPU has AMX-INT8: weights packed once
+    into its tile layout (`AmxInt8Weight`, one int8 copy), TDPBSSD's exact int32 sums, the
+    reference's epilogue; for W8A8_DYNAMIC and per-channel W4A8 the activations are quantized
+    inside the same call by the reference's quantizer (`int8_matmul_dynamic`), so compiled mode
+    traces one operator per Linear;
   * "onednn": vLLM's `onednn_scaled_mm`, only where the CPU has VNNI (see below);
   * "f32": float32 GEMMs over k-chunks of 1024 (`reference.exact_int8_matmul`; exact because
     every partial sum stays an integer below 2^24), the default without VNNI: measured here
@@ -57,7 +63,7 @@ import torch
 from ascend_quant import native, numerics
 from ascend_quant.runtime.kernels.reference import EXACT_F32_CHUNK, ReferenceBackend, exact_int8_matmul, int8_epilogue
 
-GEMMS = ("onednn", "f32", "int_mm")
+GEMMS = ("amx", "onednn", "f32", "int_mm")
 GEMM_ENV = "ASCEND_QUANT_CPU_GEMM"
 # How weights are kept: "compact" (default) keeps the integers (int4 packed two per byte), in
 # the GEMV kernel's layout when it is available, and large batches convert one k-chunk at a
@@ -105,6 +111,10 @@ def cpu_has_vnni() -> bool:
     return not cpu_flags().isdisjoint(("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
+def cpu_has_amx_int8() -> bool:
+    return {"amx_tile", "amx_int8"} <= cpu_flags()
+
+
 @functools.lru_cache(maxsize=1)
 def vllm_cpu_ops():
     """vLLM's compiled CPU ops module, or None (vLLM absent or a GPU build)."""
@@ -150,13 +160,15 @@ def gemv_isa() -> str:
     return forced
 
 
-def default_gemm() -> str:
-    """The int8 GEMM path: `ASCEND_QUANT_CPU_GEMM` if set, else oneDNN where it is exact and fast."""
-    import os
-
+def default_gemm(amx: bool = True) -> str:
+    """The int8 GEMM path: `ASCEND_QUANT_CPU_GEMM` if set, else our AMX-INT8 kernel where the CPU
+    has it and the amx GEMV build is selected (`amx=False`: the choice without it), else oneDNN
+    where it is exact and fast, else the exact-f32 GEMMs."""
     forced = os.environ.get(GEMM_ENV)
     if forced:
         return forced
+    if amx and cpu_has_amx_int8() and gemv_isa() == "amx":
+        return "amx"
     return "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
 
 
@@ -252,6 +264,28 @@ def _wq_op(isa: str, gemv_lib):
     return torch.ops.ascend_quant_cpu.wq_linear
 
 
+def _int8_op(isa: str, gemv_lib):
+    """`torch.ops.ascend_quant_cpu.int8_linear` with the amx build's AMX-INT8 kernel registered in
+    it, or None: another build selected, no AMX-INT8, no C++ operator, or `ASCEND_QUANT_CPU_OP=0`."""
+    if isa != "amx" or gemv_lib is None or not cpu_has_amx_int8() or os.environ.get(OP_ENV, "1") == "0":
+        return None
+    lib = native.WQ_OP.load()
+    if lib is None:
+        return None
+    lib.wq_op_register_int8(ctypes.cast(gemv_lib.wq_int8_linear, ctypes.c_void_p))
+    _register_int8_fake()
+    return torch.ops.ascend_quant_cpu.int8_linear
+
+
+@functools.lru_cache(maxsize=1)
+def _register_int8_fake() -> None:
+    """The output's shape and dtype of `int8_linear` for tracing (vLLM's compiled mode)."""
+    @torch.library.register_fake("ascend_quant_cpu::int8_linear")
+    def _(x, pertoken, wp, scale, quant_bias, bias, n, out_dtype):
+        dt = out_dtype if out_dtype is not None else (torch.float32 if x.dtype == torch.int8 else x.dtype)
+        return x.new_empty((*x.shape[:-1], n), dtype=dt)
+
+
 @functools.lru_cache(maxsize=1)
 def _register_wq_fake() -> None:
     """The output's shape and dtype of `wq_linear` for tracing (vLLM's compiled mode)."""
@@ -276,6 +310,36 @@ def _gemv_exact(w: GemvWeight) -> bool:
 
 
 @dataclass
+class AmxInt8Weight:
+    """Integer weights [n, k] in the tile layout of `native/wq_gemv.c`'s wq_int8_linear: n padded
+    to a multiple of 32 channels and k to kp (a multiple of 64) with zeros; per block of 32
+    channels and 64 in-features two 1 KiB B tiles, [16 rows of 4 in-features][16 channels][4]:
+    wp[b, c, h, r, j, q] = w[32 b + 16 h + j, 64 c + 4 r + q]. int4 values (W4A8) are kept as
+    int8 here (TDPBSSD multiplies bytes); `bits` remembers them."""
+    wp: torch.Tensor
+    n: int
+    k: int
+    bits: int
+
+    @classmethod
+    def build(cls, q: torch.Tensor, bits: int = 8) -> "AmxInt8Weight":
+        n, k = q.shape
+        np_, kp = -(-n // 32) * 32, -(-k // 64) * 64
+        w = torch.zeros(np_, kp, dtype=torch.int8)
+        w[:n, :k] = q
+        # [b, h, j, c, r, q] -> [b, c, h, r, j, q]
+        wp = w.view(np_ // 32, 2, 16, kp // 64, 16, 4).permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1)
+        return cls(wp, n, k, bits)
+
+    def values(self) -> torch.Tensor:
+        """The integer weight int8 [n, k]."""
+        np_ = -(-self.n // 32) * 32
+        kp = self.wp.numel() // np_
+        w = self.wp.view(np_ // 32, kp // 64, 2, 16, 16, 4).permute(0, 2, 4, 1, 3, 5).reshape(np_, kp)
+        return w[:self.n, :self.k]
+
+
+@dataclass
 class CpuInt8Weight:
     # "f32": float32 [k, n], or compact int8 [k, n] / int4 packed along k [k/2, n];
     # "int_mm": int8 [n, k]^T view; None when `gemv` holds the weight (int4 with the GEMV kernel)
@@ -285,18 +349,23 @@ class CpuInt8Weight:
     n: int = 0
     packed: bool = False            # int4 values packed two per byte along k
     gemv: GemvWeight | None = None
+    amx: AmxInt8Weight | None = None    # the "amx" GEMM's layout (weight_t None then)
 
     @property
     def bits(self) -> int:
-        """4 when the integers are kept as int4 (packed, or in the GEMV's int4 layout), else 8."""
+        """4 when the integers are int4 values (packed, in the GEMV's int4 layout, or AMX's int8 copy of them), else 8."""
+        if self.amx is not None:
+            return self.amx.bits
         return 4 if self.packed or (self.gemv is not None and self.gemv.bits == 4) else 8
 
     def holds_integers(self) -> bool:
         """False once `CpuBackend.finalize_linear` left the weight to oneDNN's own copy."""
-        return self.weight_t is not None or self.gemv is not None
+        return self.weight_t is not None or self.gemv is not None or self.amx is not None
 
     def int8_kn(self) -> torch.Tensor:
         """The integer weight as int8 [k, n], the transpose of a contiguous [n, k] (as oneDNN takes it)."""
+        if self.amx is not None:
+            return self.amx.values().contiguous().t()
         if self.gemv is not None:
             w_nk = self.gemv.values(0, self.gemv.k)
         else:
@@ -305,6 +374,8 @@ class CpuInt8Weight:
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         """Rows start:end of the [k, n] weight as float32 (exact integers)."""
+        if self.amx is not None:
+            return self.amx.values()[:, start:end].float().t()
         if self.gemv is not None:
             return self.gemv.values(start, end).float().t()
         if self.packed:
@@ -432,17 +503,24 @@ class CpuBackend(ReferenceBackend):
     name = "cpu"
 
     def __init__(self, gemm: str | None = None):
+        forced = gemm or os.environ.get(GEMM_ENV)
         gemm = gemm or default_gemm()
         if gemm not in GEMMS:
             raise ValueError(f"{GEMM_ENV}={gemm!r}: use one of {', '.join(GEMMS)}")
         if gemm == "onednn" and not (cpu_has_vnni() and vllm_cpu_ops() is not None):
             raise ValueError(f"{GEMM_ENV}=onednn needs vLLM's CPU ops and a CPU with VNNI or AMX "
                              "(without them oneDNN's int8 GEMM saturates); use f32")
-        self.gemm = gemm
-        self.use_onednn = gemm == "onednn"
         self.isa = gemv_isa()
         self.gemv_lib = None if self.isa == "off" else native.WQ_GEMV[self.isa].load()
         self.wq_op = _wq_op(self.isa, self.gemv_lib)
+        self.int8_op = _int8_op(self.isa, self.gemv_lib) if gemm == "amx" else None
+        if gemm == "amx" and self.int8_op is None:
+            if forced:
+                raise ValueError(f"{GEMM_ENV}=amx needs a CPU with AMX-INT8, the amx GEMV build "
+                                 f"({ISA_ENV} unset or amx) and the C++ operator ({OP_ENV} not 0)")
+            gemm = default_gemm(amx=False)      # no compiler here: the next path
+        self.gemm = gemm
+        self.use_onednn = gemm == "onednn"
 
     def can_implement(self, op: str, **cfg) -> tuple[bool, str]:
         device = cfg.get("device", "cpu")
@@ -491,6 +569,8 @@ class CpuBackend(ReferenceBackend):
     def prepare_int8(self, weight, scale, bits: int = 8):
         weight = weight.to(torch.int8)
         scale = scale.float().reshape(-1).contiguous()
+        if self.int8_op is not None:
+            return CpuInt8Weight(None, scale, None, weight.shape[0], amx=AmxInt8Weight.build(weight, bits))
         handler = {} if self.use_onednn else None
         # _int_mm is fastest with the [n, k] weight seen as a column-major [k, n]
         if self.gemm == "int_mm":
@@ -506,6 +586,8 @@ class CpuBackend(ReferenceBackend):
         return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
 
     def int8_matmul(self, x_q, w, *, pertoken_scale=None, quant_bias=None, bias=None, out_dtype=torch.float32):
+        if w.amx is not None:
+            return self.int8_op(x_q, pertoken_scale, w.amx.wp, w.scale, quant_bias, bias, w.n, out_dtype)
         lead = x_q.shape[:-1]
         x2 = x_q if x_q.dim() == 2 and x_q.is_contiguous() else x_q.reshape(-1, x_q.shape[-1]).contiguous()
         # oneDNN first where it runs: with VNNI it beat the float-lane GEMV on int4 weights at
@@ -551,10 +633,18 @@ class CpuBackend(ReferenceBackend):
                 acc = part if acc is None else acc + part
         return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
 
+    def int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
+        """int8_matmul(*quantize_dynamic(x)): on the "amx" GEMM one operator call that quantizes
+        x inside (the same quantizer, so the same values bit for bit)."""
+        if w.amx is not None and x.dtype in (torch.float32, torch.bfloat16):
+            return self.int8_op(x, None, w.amx.wp, w.scale, None, bias, w.n, out_dtype or x.dtype)
+        return super().int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
+
     def traceable(self, linear) -> bool:
         """Whether `linear`'s forward is torch ops only, so that vLLM's compiled mode may trace it
         instead of calling it through the opaque `ascend_quant::linear` op (a Python call per
-        Linear, ~7 us of a decode step's ~120): a dynamic-activation int8 weight finalized to its
+        Linear, ~7 us of a decode step's ~120): a dynamic-activation int8 weight on the AMX-INT8
+        operator (`ascend_quant_cpu::int8_linear`, quantizer inside), or one finalized to its
         oneDNN handler (`finalize_linear`), where the forward is the quantizer (numerics' torch
         ops when traced) and vLLM's `onednn_scaled_mm`, both of which inductor keeps; or a
         weight in the GEMV layout with the C++ operator loaded (`ascend_quant_cpu::wq_linear`,
@@ -563,6 +653,11 @@ class CpuBackend(ReferenceBackend):
         if isinstance(w, CpuWeightOnly):
             # W8A16, W4A16, two-stage W4A8: the C++ operator (and the traced quantizer for W4A8)
             return w.gemv is not None and self.wq_op is not None
+        if isinstance(w, CpuInt8Weight) and w.amx is not None:
+            # the AMX-INT8 operator, which quantizes dynamic activations inside. Not static W8A8:
+            # traced, its quantizer's `x * (1/s) + o` is fused into one FMA by inductor, which
+            # rounds some values the other way (measured: a different greedy token)
+            return linear.scheme.activation_mode == "dynamic"
         return (linear.scheme.activation_mode == "dynamic" and isinstance(w, CpuInt8Weight)
                 and w.onednn is not None and len(w.onednn) == 1 and not w.holds_integers())
 

@@ -70,6 +70,10 @@ class NpuBackend:
         return x_q, scale.reshape(*x.shape[:-1], 1)
 
     # ---------------------------------------------------------------- int8 x int8
+    def int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
+        x_q, s_t = self.quantize_dynamic(x)
+        return self.int8_matmul(x_q, w, pertoken_scale=s_t, bias=bias, out_dtype=out_dtype or x.dtype)
+
     def prepare_int8(self, weight, scale, bits: int = 8):
         return NpuInt8Weight(self._maybe_nz(weight.to(torch.int8).t().contiguous()), scale.float().reshape(-1))
 

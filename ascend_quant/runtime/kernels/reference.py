@@ -88,6 +88,11 @@ class ReferenceBackend:
     def prepare_int8(self, weight: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> Int8Weight:
         return Int8Weight(weight.to(torch.int8).float().t().contiguous(), scale.float().reshape(-1).contiguous())
 
+    def int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
+        """x quantized per token, then int8_matmul with its scales (W8A8_DYNAMIC, per-channel W4A8)."""
+        x_q, s_t = self.quantize_dynamic(x)
+        return self.int8_matmul(x_q, w, pertoken_scale=s_t, bias=bias, out_dtype=out_dtype or x.dtype)
+
     def int8_matmul(self, x_q, w: Int8Weight, *, pertoken_scale=None, quant_bias=None, bias=None,
                     out_dtype=torch.float32):
         """`((x_q @ w^T + quant_bias) * scale[n]) * pertoken_scale[t] + bias`, float32 epilogue."""
