@@ -3,7 +3,8 @@
 
     .venv/bin/python benchmarks/report.py          # rewrites README.md between the markers
 
-Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-amx,runtime-amx,runtime,
+Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-amx,
+runtime-e2e-compiled-amx-int8,runtime-amx,runtime,
 runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache}.*
 (whichever exist; quick and ad-hoc runs are ignored) and replaces the text between
 `<!-- results:start -->` and `<!-- results:end -->` in README.md. Every number in that section comes from those files.
@@ -102,8 +103,10 @@ def build() -> str:
     if gemma:
         lines += calibration_section(gemma, "Calibration: Gemma-3-270m (ascend-quant)", "calibration-gemma") + [""]
     lines += markdown_file_section("runtime-e2e-compiled-amx", "vLLM end to end, compiled (vLLM's default mode), "
-                                   "Intel Xeon with AMX (stop 25)") + [""]
-    lines += markdown_file_section("runtime-amx", "Runtime kernels, Intel Xeon with AMX (stop 25)") + [""]
+                                   "Intel Xeon with AMX (stop 26)") + [""]
+    lines += markdown_file_section("runtime-e2e-compiled-amx-int8", "vLLM end to end, compiled: the int8 "
+                                   "engines again, 4 rounds, Intel Xeon with AMX (stop 26)") + [""]
+    lines += markdown_file_section("runtime-amx", "Runtime kernels, Intel Xeon with AMX (stop 26)") + [""]
     lines += markdown_file_section("runtime", "Runtime kernels (CPU)") + [""]
     lines += markdown_file_section("runtime-e2e-compiled", "vLLM end to end, compiled (vLLM's default mode), "
                                    "AMD EPYC (stop 23)") + [""]

@@ -107,6 +107,13 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
         "w4a16_linear_bf16": timeit(lambda: w4a16(x_bf16)),
         "w4a8_linear_bf16": timeit(lambda: w4a8(x_bf16)),
     }
+    # the anchor: vLLM's own int8 Linear on AMX CPUs (sgl's fused quantizer + AMX-INT8 GEMM, what
+    # its compressed-tensors W8A8 layers call there)
+    sgl = getattr(torch.ops._C, "int8_scaled_mm_with_quant", None) if vllm_cpu_ops() is not None else None
+    if sgl is not None and torch.cpu._is_amx_tile_supported() and n % 16 == 0 and k % 32 == 0:
+        packed = torch.ops._C.convert_weight_packed(w_q)
+        s_n = s_w.float().reshape(-1).contiguous()
+        out["vllm_int8_linear_bf16"] = timeit(lambda: sgl(x_bf16, packed, s_n, None, torch.bfloat16, True))
     return out
 
 
@@ -336,17 +343,23 @@ def markdown_e2e(e2e: dict) -> str:
                      f"{r['decode_tok_s'] or 0:.1f} | {ratio(r, 'decode_vs_bf16')} | {ratio(r, 'decode_vs_fp32')} | "
                      f"{r['linear_bytes'] / 2**20:.1f} | {r.get('linear_memory_vs_bf16') or 0:.3f}x | "
                      f"{r['model_bytes'] / 2**20:.1f} |")
+    if e2e.get("rounds", 1) > 1:       # the spread between rounds, which the fastest hides
+        lines += ["", "Every round, prefill tok/s / decode tok/s:", "", "| engine | rounds |", "|---|---|"]
+        for name, r in e2e["engines"].items():
+            if "error" not in r:
+                lines.append(f"| {name} | " + ", ".join(f"{x['prefill_tok_s']:.0f} / {x['decode_tok_s'] or 0:.1f}"
+                                                       for x in r.get("rounds", [])) + " |")
     return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict) -> str:
     lines = [f"# int8 GEMM vs float matmul (CPU, {result['threads']} thread(s))", "",
              f"{result.get('cpu', result['machine'])}; torch {result['torch']}; VNNI: {result['vnni']}; "
-             f"oneDNN int8 path: {result['onednn']}; GEMV build: {result.get('gemv', '-')}", "",
+             f"int8 GEMM: {result.get('cpu_gemm', '-')}; oneDNN int8 path: {result['onednn']}; GEMV build: {result.get('gemv', '-')}", "",
              "Median time per call in microseconds; `x bf16` = speed-up over the bf16 matmul.", "",
              "| phase | layer | m x k x n | fp32 | bf16 | _int_mm | int8 GEMM, exact f32 | W8A8_DYNAMIC linear | W8A8 static linear "
-             "| W8A16 linear | W4A16 g64 linear | W4A8 linear |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| W8A16 linear | W4A16 g64 linear | W4A8 linear | vLLM int8 linear (AMX CPUs) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         t = row["seconds"]
         bf = t["bf16_matmul"]
@@ -357,7 +370,8 @@ def markdown(result: dict) -> str:
                      f"{t['fp32_matmul'] * 1e6:.1f} | {bf * 1e6:.1f} | {cell('int_mm')} | {cell('int8_gemm_f32_exact')} | "
                      f"{cell('w8a8_dynamic_linear_bf16')} | {cell('w8a8_static_linear_bf16')} | "
                      + " | ".join(cell(k) if k in t else "-" for k in
-                                  ("w8a16_linear_bf16", "w4a16_linear_bf16", "w4a8_linear_bf16")) + " |")
+                                  ("w8a16_linear_bf16", "w4a16_linear_bf16", "w4a8_linear_bf16",
+                                   "vllm_int8_linear_bf16")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -419,7 +433,8 @@ def main(argv=None) -> int:
     result = {"threads": args.threads, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
               "cpu": cpu_description(), "gemv": backend.isa if backend.gemv_lib is not None else "none",
               "vnni": cpu_has_vnni(), "cpu_gemm": backend.gemm, "onednn": "used" if backend.use_onednn else
-              ("not used: no VNNI (oneDNN s8s8 saturates int16 pair sums on AVX2)" if vllm_cpu_ops() else
+              ("not used: our AMX-INT8 kernel instead" if backend.gemm == "amx" else
+               "not used: no VNNI (oneDNN s8s8 saturates int16 pair sums on AVX2)" if vllm_cpu_ops() else
                "not used: vLLM CPU ops absent"), "rows": []}
     for phase in [p for p in args.phases.split(",") if p]:
         m = TOKENS[phase]
