@@ -16,6 +16,13 @@
 //   m <= max_m tokens: wq_gemv (mode 0) reads the integer weights once, converted in registers;
 //   more tokens: float32 GEMMs (ATen's mm) over k-chunks that wq_dequant converts, the
 //   algorithm of CpuBackend.weight_only_matmul's torch path.
+//
+// Beside it, the int8 x int8 Linear on AMX-INT8 tiles (W8A8_DYNAMIC, static W8A8, per-channel W4A8):
+//
+//     torch.ops.ascend_quant_cpu.int8_linear(x, pertoken, wp, scale, quant_bias, bias, n, out_dtype)
+//
+// over the amx build's wq_int8_linear (registered by Python through `wq_op_register_int8`),
+// which quantizes float activations per token itself, so a traced dynamic Linear is this one call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

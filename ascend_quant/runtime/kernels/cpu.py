@@ -342,7 +342,7 @@ class AmxInt8Weight:
 @dataclass
 class CpuInt8Weight:
     # "f32": float32 [k, n], or compact int8 [k, n] / int4 packed along k [k/2, n];
-    # "int_mm": int8 [n, k]^T view; None when `gemv` holds the weight (int4 with the GEMV kernel)
+    # "int_mm": int8 [n, k]^T view; None when `gemv` (int4 with the GEMV kernel) or `amx` holds the weight
     weight_t: torch.Tensor | None
     scale: torch.Tensor             # float32 [n]
     onednn: dict | None = None      # vLLM oneDNN handlers by output dtype, made on first use (VNNI CPUs only)
