@@ -348,6 +348,15 @@ static inline void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = o[i];
 }
 
+/* This thread's tile registers: all eight 16 rows x 64 bytes (palette 1). */
+static inline void load_tiles_16x64(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
 /* Row `tok` of y, channels j0 .. j0 + nj (nj <= 32; v[0] holds 0-15, v[1] 16-31, mask[h] the
  * valid ones) in y's dtype (0 float32, 1 bfloat16, rounded to nearest even). Whole cache lines
  * (32 bfloat16 or 16 float32 channels, where y is aligned) go around the cache when `stream`
@@ -413,11 +422,7 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
     const int stream = m * n * (ydt == 0 ? 4 : 2) >= (4 << 20);
 #pragma omp parallel num_threads(nthreads)
     {
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-        _tile_loadconfig(&cfg);
+        load_tiles_16x64();
         uint16_t *panel = aligned_alloc(64, (size_t)(32 * kp * 2));               /* [32 ch][kp] bfloat16 */
         float *cb = aligned_alloc(64, 4 * 256 * sizeof(float));                 /* C tiles [tile][16 ch][16 tokens] */
         float *acc = aligned_alloc(64, 4 * 256 * sizeof(float));                /* per-group sums, same layout */
@@ -834,11 +839,7 @@ void wq_int8_linear(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, c
     const int64_t fit = 512 * 1024 / kp / 32 * 32, span = fit > 32 ? fit : 32;
 #pragma omp parallel num_threads(nthreads)
     {
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-        _tile_loadconfig(&cfg);
+        load_tiles_16x64();
         int32_t cb[1024] __attribute__((aligned(64)));      /* C tiles [tile][16 tokens][16 ch] */
         {
             for (int64_t m0 = 0; m0 < mp; m0 += span) {
