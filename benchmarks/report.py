@@ -5,7 +5,7 @@
 
 Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-amx,
 runtime-e2e-compiled-amx-int8,runtime-amx,runtime,
-runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache}.*
+runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache,kv_cache-amx}.*
 (whichever exist; quick and ad-hoc runs are ignored) and replaces the text between
 `<!-- results:start -->` and `<!-- results:end -->` in README.md. Every number in that section comes from those files.
 """
@@ -114,6 +114,7 @@ def build() -> str:
     lines += markdown_file_section("moe_runtime", "MoE in vLLM: quantized experts vs bf16 (re-cut SmolLM2-135M)") + [""]
     lines += markdown_file_section("weight_memory", "Weight memory of quantized Linears in vLLM") + [""]
     lines += markdown_file_section("kv_cache", "Int8 KV cache in vLLM (CPU)") + [""]
+    lines += markdown_file_section("kv_cache-amx", "Int8 KV cache in vLLM, Intel Xeon with AMX (stop 26)") + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 
