@@ -808,9 +808,7 @@ void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t 
  * core's cache while every block of channels passes over them. Sets *status: 1 for a failed
  * allocation, 2 where this build or the kernel cannot run AMX-INT8 (y untouched). */
 #if HAVE_AMX && defined(__AMX_INT8__)
-#ifndef PF_AHEAD
-#define PF_AHEAD 8192
-#endif
+#define PF_AHEAD 8192       /* bytes of weights prefetched ahead in decode (below) */
 void wq_int8_linear(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
                     const int8_t *wp, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
                     const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
@@ -841,71 +839,57 @@ void wq_int8_linear(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, c
     {
         load_tiles_16x64();
         int32_t cb[1024] __attribute__((aligned(64)));      /* C tiles [tile][16 tokens][16 ch] */
-        {
-            for (int64_t m0 = 0; m0 < mp; m0 += span) {
-                const int64_t m1 = m0 + span < mp ? m0 + span : mp;
+        for (int64_t m0 = 0; m0 < mp; m0 += span) {
+            const int64_t m1 = m0 + span < mp ? m0 + span : mp;
 #pragma omp for schedule(static)
-                for (int64_t b = 0; b < blocks; b++) {
-                    const int64_t j0 = b * 32, nj = n - j0 < 32 ? n - j0 : 32;
-                    const int8_t *wb = wp + b * kb * 2048;
-                    const __mmask16 mask[2] = {(__mmask16)(nj >= 16 ? 0xFFFF : (1u << nj) - 1),
-                                               (__mmask16)(nj <= 16 ? 0 : nj >= 32 ? 0xFFFF : (1u << (nj - 16)) - 1)};
-                    __m512 sc[2], bi[2];
-                    __m512i qb[2];
-                    for (int h = 0; h < 2; h++) {
-                        sc[h] = _mm512_maskz_loadu_ps(mask[h], scale + j0 + h * 16);
-                        bi[h] = bias ? _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16) : _mm512_setzero_ps();
-                        qb[h] = qbias ? _mm512_maskz_loadu_epi32(mask[h], qbias + j0 + h * 16) : _mm512_setzero_si512();
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t j0 = b * 32, nj = n - j0 < 32 ? n - j0 : 32;
+                const int8_t *wb = wp + b * kb * 2048;
+                const __mmask16 mask[2] = {(__mmask16)(nj >= 16 ? 0xFFFF : (1u << nj) - 1),
+                                           (__mmask16)(nj <= 16 ? 0 : nj >= 32 ? 0xFFFF : (1u << (nj - 16)) - 1)};
+                __m512 sc[2], bi[2];
+                __m512i qb[2];
+                for (int h = 0; h < 2; h++) {
+                    sc[h] = _mm512_maskz_loadu_ps(mask[h], scale + j0 + h * 16);
+                    bi[h] = bias ? _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16) : _mm512_setzero_ps();
+                    qb[h] = qbias ? _mm512_maskz_loadu_epi32(mask[h], qbias + j0 + h * 16) : _mm512_setzero_si512();
+                }
+                /* weights PF_AHEAD bytes ahead (into the next block's) into the cache on the first
+                 * pass over them: in decode they come cold from memory and the tiles wait on them */
+                const int pf = m0 == 0 && b + 1 < blocks;
+                for (int64_t t0 = m0; t0 < m1; t0 += 32) {
+                    const int two = m1 - t0 > 16;
+                    const int8_t *xa = xq + t0 * kp, *xb = xa + 16 * kp;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int64_t c = 0; c < kb; c++) {
+                        if (pf && t0 == m0)
+                            for (int o = 0; o < 2048; o += 64) _mm_prefetch((const char *)wb + c * 2048 + PF_AHEAD + o, _MM_HINT_T0);
+                        _tile_loadd(6, wb + c * 2048, 64);           /* channels 0-15 */
+                        _tile_loadd(7, wb + c * 2048 + 1024, 64);    /* channels 16-31 */
+                        _tile_loadd(4, xa + c * 64, kp);
+                        _tile_dpbssd(0, 4, 6);
+                        _tile_dpbssd(1, 4, 7);
+                        if (two) {
+                            _tile_loadd(5, xb + c * 64, kp);
+                            _tile_dpbssd(2, 5, 6);
+                            _tile_dpbssd(3, 5, 7);
+                        }
                     }
-                    /* weights PF_AHEAD bytes ahead (into the next block's) into the cache on the first
-                     * pass over them: in decode they come cold from memory and the tiles wait on them */
-                    const int pf = m0 == 0 && b + 1 < blocks;
-                    for (int64_t t0 = m0; t0 < m1; t0 += 32) {
-                        const int two = m1 - t0 > 16;
-                        const int8_t *xa = xq + t0 * kp, *xb = xa + 16 * kp;
-                        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                        for (int64_t c = 0; c < kb; c++) {
-                            if (pf && t0 == m0)
-                                for (int o = 0; o < 2048; o += 64) _mm_prefetch((const char *)wb + c * 2048 + PF_AHEAD + o, _MM_HINT_T0);
-                            _tile_loadd(6, wb + c * 2048, 64);           /* channels 0-15 */
-                            _tile_loadd(7, wb + c * 2048 + 1024, 64);    /* channels 16-31 */
-                            if (two) {
-                                _tile_loadd(4, xa + c * 64, kp);
-                                _tile_dpbssd(0, 4, 6);
-                                _tile_dpbssd(1, 4, 7);
-                                _tile_loadd(5, xb + c * 64, kp);
-                                _tile_dpbssd(2, 5, 6);
-                                _tile_dpbssd(3, 5, 7);
-                            } else if (c % 2 == 0) {
-                                /* one tile of tokens: even and odd steps into separate sums (C 0, 1 and
-                                 * C 2, 3), so that four chains of dependent TDPBSSDs run instead of two */
-                                _tile_loadd(4, xa + c * 64, kp);
-                                _tile_dpbssd(0, 4, 6);
-                                _tile_dpbssd(1, 4, 7);
-                            } else {
-                                _tile_loadd(5, xa + c * 64, kp);
-                                _tile_dpbssd(2, 5, 6);
-                                _tile_dpbssd(3, 5, 7);
-                            }
+                    _tile_stored(0, cb, 64);
+                    _tile_stored(1, cb + 256, 64);
+                    if (two) { _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64); }
+                    for (int64_t t = 0; t < (two ? 32 : 16) && t0 + t < m; t++) {
+                        const int64_t tok = t0 + t;
+                        const __m512 s = _mm512_set1_ps(st[tok]);
+                        __m512 v[2];
+                        for (int h = 0; h < 2; h++) {
+                            __m512i a = _mm512_load_si512((const void *)(cb + ((t >> 4) * 2 + h) * 256 + (t & 15) * 16));
+                            if (qbias) a = _mm512_add_epi32(a, qb[h]);
+                            v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(a), sc[h]);
+                            if (use_st) v[h] = _mm512_mul_ps(v[h], s);
+                            if (bias) v[h] = _mm512_add_ps(v[h], bi[h]);
                         }
-                        _tile_stored(0, cb, 64);
-                        _tile_stored(1, cb + 256, 64);
-                        _tile_stored(2, cb + 512, 64);
-                        _tile_stored(3, cb + 768, 64);
-                        for (int64_t t = 0; t < (two ? 32 : 16) && t0 + t < m; t++) {
-                            const int64_t tok = t0 + t;
-                            const __m512 s = _mm512_set1_ps(st[tok]);
-                            __m512 v[2];
-                            for (int h = 0; h < 2; h++) {
-                                __m512i a = _mm512_load_si512((const void *)(cb + ((t >> 4) * 2 + h) * 256 + (t & 15) * 16));
-                                if (!two) a = _mm512_add_epi32(a, _mm512_load_si512((const void *)(cb + (2 + h) * 256 + t * 16)));
-                                if (qbias) a = _mm512_add_epi32(a, qb[h]);
-                                v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(a), sc[h]);
-                                if (use_st) v[h] = _mm512_mul_ps(v[h], s);
-                                if (bias) v[h] = _mm512_add_ps(v[h], bi[h]);
-                            }
-                            store_row32(y, ydt, ldy, tok, j0, nj, mask, v, stream);
-                        }
+                        store_row32(y, ydt, ldy, tok, j0, nj, mask, v, stream);
                     }
                 }
             }
