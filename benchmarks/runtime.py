@@ -318,10 +318,10 @@ def run_e2e(args) -> dict:
 def markdown_e2e(e2e: dict) -> str:
     p, d = e2e["prefill"], e2e["decode"]
     if not e2e.get("vnni", False):
-        onednn = ("vLLM's own int8 path (oneDNN) computes wrong results on this CPU (no VNNI) and keeps its weights "
+        vllm_int8 = ("vLLM's own int8 path (oneDNN) computes wrong results on this CPU (no VNNI) and keeps its weights "
                   "in opaque handles: its speed is shown, its memory is not countable here.")
     else:
-        onednn = ("vLLM's own int8 path runs oneDNN on VNNI CPUs, whose weights are opaque handles (about 0 MiB "
+        vllm_int8 = ("vLLM's own int8 path runs oneDNN on VNNI CPUs, whose weights are opaque handles (about 0 MiB "
                   "here), and sgl's AMX-INT8 kernel on AMX CPUs, whose packed weights are counted.")
     lines = [f"## vLLM end to end (SmolLM2-135M, {e2e['threads']} thread(s), "
              f"{'compiled (vLLM default)' if e2e.get('compiled') else 'enforce_eager'})", "",
@@ -333,7 +333,7 @@ def markdown_e2e(e2e: dict) -> str:
              f"Decode: {d['sequences']} sequences, {d['generated']} generated (median inter-token latency, fastest of "
              f"{e2e.get('repeats', 2)} runs). Activations bf16 unless the engine says fp32. "
              "Linear weights: bytes the Linears hold after loading, against their bf16 size. "
-             f"{onednn} Rows whose weights oneDNN holds (bf16 on AMX, the `onednn` variants) read about 0 "
+             f"{vllm_int8} Rows whose weights oneDNN holds (bf16 on AMX, the `onednn` variants) read about 0 "
              "Linear MiB for the same reason.", "",
              "| engine | prefill tok/s | vs bf16 | vs fp32 | decode tok/s | vs bf16 | vs fp32 | Linear weights MiB | vs bf16 | model MiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ascend_quant import numerics
+from ascend_quant.runtime.kernels.reference import ReferenceBackend
 
 ACL_FORMAT_FRACTAL_NZ = 29
 
@@ -70,9 +71,9 @@ class NpuBackend:
         return x_q, scale.reshape(*x.shape[:-1], 1)
 
     # ---------------------------------------------------------------- int8 x int8
-    def int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
-        x_q, s_t = self.quantize_dynamic(x)
-        return self.int8_matmul(x_q, w, pertoken_scale=s_t, bias=bias, out_dtype=out_dtype or x.dtype)
+    # quantize_dynamic, then int8_matmul with its scales: the reference's composition of this
+    # backend's own two ops (npu_dynamic_quant, npu_quant_matmul)
+    int8_matmul_dynamic = ReferenceBackend.int8_matmul_dynamic
 
     def prepare_int8(self, weight, scale, bits: int = 8):
         return NpuInt8Weight(self._maybe_nz(weight.to(torch.int8).t().contiguous()), scale.float().reshape(-1))
