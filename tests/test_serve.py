@@ -65,6 +65,27 @@ def test_a_failing_vllm_start_is_the_exit_status(tmp_path):
     assert r.stderr.rstrip().splitlines()[-1] == "Error: vLLM exited with status 2"
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"ASCEND_QUANT_CPU_GEMM": "fast"}, "Error: ASCEND_QUANT_CPU_GEMM='fast': use one of amx, onednn, f32, int_mm"),
+    ({"ASCEND_QUANT_CPU_ISA": "sse"}, "Error: ASCEND_QUANT_CPU_ISA='sse': use one of amx, avx512bf16, avx512, avx2, off"),
+    ({"ASCEND_QUANT_CPU_GEMM": "amx", "ASCEND_QUANT_CPU_ISA": "avx2"},
+     "Error: ASCEND_QUANT_CPU_GEMM=amx needs a CPU with AMX-INT8, the amx GEMV build (ASCEND_QUANT_CPU_ISA unset or "
+     "amx) and the C++ operator (ASCEND_QUANT_CPU_OP not 0)")])
+@pytest.mark.parametrize("command", ["serve", "eval"])
+def test_a_bad_cpu_switch_is_one_line_before_vllm_starts(command, env, message):
+    """A wrong CPU-backend switch is refused up front in one line, exit 1, no traceback (vLLM's
+    worker would otherwise die on it deep inside its engine start)."""
+    folder = fixture_dir(FOLDER)
+    args = ([str(folder)] if command == "serve" else
+            ["--model", str(fixture_dir("tiny-qwen2-fp32")), "--quantized", str(folder), "--tokens", "64",
+             "--seq-len", "32", "--vllm", "--no-save"])
+    r = subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", command, *args], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **env})
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if "it/s]" not in line]     # no progress bars counted
+    assert lines == [message] and "Traceback" not in r.stderr
+
+
 # ----------------------------------------------------------------------------- one real server
 
 @dataclass

@@ -29,6 +29,13 @@ def eval_cmd(float_model, quantized, dataset, tokens, seq_len, threads, with_vll
 
     if threads:
         torch.set_num_threads(threads)
+    if with_vllm:
+        from ascend_quant.runtime.kernels.cpu import check_env
+
+        try:
+            check_env()
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
     try:
         result = evaluate(float_model or str(reference_model_dir()), quantized, dataset, tokens, seq_len,
                           with_vllm)

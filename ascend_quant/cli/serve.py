@@ -175,7 +175,12 @@ def serve(path: str, vllm_args: tuple[str, ...]) -> None:
     other machines can reach it. Stop it with SIGINT/SIGTERM to the PID it prints.
     """
     from ascend_quant.formats.verify import verify
+    from ascend_quant.runtime.kernels.cpu import check_env
 
+    try:
+        check_env()
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     report = verify(path)
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more; run `ascend-quant verify {path}`)" if len(report.problems) > 1 else ""

@@ -172,6 +172,18 @@ def default_gemm(amx: bool = True) -> str:
     return "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
 
 
+def check_env() -> None:
+    """Raise ValueError (one line) for a bad CPU-backend switch (`ASCEND_QUANT_CPU_GEMM`, `_ISA`,
+    `_OP`, `_WEIGHTS`, `_MOE`), so that a command can refuse it before it starts a vLLM engine,
+    whose worker would otherwise fail on it with a traceback. Nothing to check when none is set."""
+    if not any(os.environ.get(v) for v in (GEMM_ENV, ISA_ENV, OP_ENV, WEIGHTS_ENV, MOE_ENV)):
+        return
+    _weight_mode()
+    if os.environ.get(MOE_ENV):
+        moe_mode()
+    CpuBackend()
+
+
 @dataclass
 class GemvWeight:
     """Integer weights in the layout of `native/wq_gemv.c`: per output channel, `groups` groups
