@@ -215,6 +215,27 @@ def test_the_w8a8_dynamic_preset_rotates_where_supported(tmp_path, saved, calib_
             assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is (not rotated)
 
 
+def test_the_w4a8_preset_rotates_or_smooths(tmp_path, saved, calib_jsonl):
+    """No flags but the scheme: W4A8 rotates the Llama and does not smooth it (the saved recipe
+    has no SmoothQuant, no group has an alpha); on Gemma, which takes no rotation, it smooths
+    (an alpha searched for every group with a producer)."""
+    common = ["--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32", "--threads", "1",
+              "--scheme", "w4a8", "--group-size", "32"]
+    for family, rotated in (("llama", True), ("gemma3", False)):
+        out = tmp_path / family
+        result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), *common])
+        assert result.exit_code == 0, result.output
+        assert verify(out).ok
+        calib = json.loads((out / "ascend_quant_calibration.json").read_text())
+        recipe_text = (out / "ascend_quant_recipe.yaml").read_text()
+        assert ("rotation" in calib) is rotated
+        alphas = [a for layer in calib["layers"] for a in layer["smoothquant_alphas"]]
+        if rotated:
+            assert "smoothquant: null" in recipe_text and not alphas
+        else:
+            assert "rotated: false" in recipe_text and alphas
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_streamed_rotation_writes_what_the_whole_model_rotation_writes(family, tmp_path, saved, calib_jsonl,
                                                                        monkeypatch):

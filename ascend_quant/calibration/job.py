@@ -275,6 +275,9 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         recipe = replace(recipe, rotation=None)
     elif rotation is not None:
         rotated = rotated_model(loaded, spec, rotation)
+        if recipe.smoothquant is not None and not recipe.smoothquant.rotated:
+            (log or (lambda line: None))("no SmoothQuant: the model is rotated (smoothquant.rotated: false)")
+            recipe = replace(recipe, smoothquant=None)
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
     per_sample = recipe.activations.observer == "running" or (

@@ -52,6 +52,9 @@ class SmoothQuant:
     alphas: list[float] = field(default_factory=list)
     # a fixed alpha for some groups (qkv, o, gate_up, down), before `alphas` and `alpha`
     group_alpha: dict[str, float] = field(default_factory=dict)
+    # False: only where the model is not rotated (a rotation already spreads the outliers, and
+    # smoothing on top moves them into 4-bit weights: W4A8's preset)
+    rotated: bool = True
 
 
 @dataclass
@@ -279,6 +282,8 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
     if recipe.group_size and not get_scheme(recipe.scheme).group_size_for(recipe.group_size):
         raise RecipeError(f"{where}: {recipe.scheme} is per-channel only; drop group_size")
     sq = recipe.smoothquant
+    if sq and not isinstance(sq.rotated, bool):
+        raise RecipeError(f"{where}: smoothquant.rotated must be true or false")
     if sq and not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0
                       for a in [sq.alpha, *sq.alphas, *sq.group_alpha.values()]):
         raise RecipeError(f"{where}: smoothquant alpha, alphas and group_alpha must be within [0, 1]")
