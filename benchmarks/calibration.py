@@ -123,14 +123,16 @@ SCHEMES: dict[str, dict] = {
         "ours": ["--scheme", "w4a16", "--group-size", "64"],
         "llmcompressor": "w4a16_g64",
         "notes": {
-            "ours": "preset (GPTQ, group 64)",
+            "ours": "preset (R1 + R2 Hadamard rotation where the family takes one, AWQ scored through the final "
+                    "rounding, zero points, GPTQ; group 64)",
             "llmcompressor": "GPTQModifier int4 sym group 64",
         },
     },
     "w4a8-g64": {
         "title": "W4A8_DYNAMIC group 64",
         "ours": ["--scheme", "w4a8", "--group-size", "64"],
-        "notes": {"ours": "preset (SmoothQuant alpha searched per group + GPTQ, two-stage group 64)"},
+        "notes": {"ours": "preset (R1 + R2 Hadamard rotation + GPTQ where the family takes a rotation, else "
+                          "SmoothQuant alpha searched per group + GPTQ; two-stage group 64)"},
     },
     "w8a16": {
         "title": "W8A16",
