@@ -236,6 +236,27 @@ def test_the_w4a8_preset_rotates_or_smooths(tmp_path, saved, calib_jsonl):
             assert "rotated: false" in recipe_text and alphas
 
 
+def test_the_w4a16_preset_rotates_where_supported_with_awq_and_zero_points(tmp_path, saved, calib_jsonl):
+    """No flags but the scheme: W4A16 rotates the Llama and not Gemma; both take AWQ's search
+    (an alpha or no scaling recorded per group with a producer) and store zero points."""
+    from safetensors.torch import load_file
+    common = ["--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32", "--threads", "1",
+              "--scheme", "w4a16", "--group-size", "32"]
+    for family, rotated in (("llama", True), ("gemma3", False)):
+        out = tmp_path / family
+        result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), *common])
+        assert result.exit_code == 0, result.output
+        assert verify(out).ok
+        calib = json.loads((out / "ascend_quant_calibration.json").read_text())
+        assert ("rotation" in calib) is rotated
+        assert all(layer.get("awq_alphas") for layer in calib["layers"])
+        tensors = {}
+        for f in out.glob("*.safetensors"):
+            tensors.update(load_file(f))
+        offsets = [t for name, t in tensors.items() if name.endswith("proj.weight_offset")]
+        assert offsets and any(bool((t != 0).any()) for t in offsets)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_streamed_rotation_writes_what_the_whole_model_rotation_writes(family, tmp_path, saved, calib_jsonl,
                                                                        monkeypatch):
