@@ -215,46 +215,46 @@ def test_the_w8a8_dynamic_preset_rotates_where_supported(tmp_path, saved, calib_
             assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is (not rotated)
 
 
-def test_the_w4a8_preset_rotates_or_smooths(tmp_path, saved, calib_jsonl):
+def _calibrate_with_the_preset(saved, family, out, calib_jsonl, scheme):
+    """`calibrate --scheme SCHEME --group-size 32` and no other choice; (calibration record, recipe text)."""
+    result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), "--scheme", scheme,
+                                      "--group-size", "32", "--dataset", calib_jsonl, "--num-samples", "2",
+                                      "--seq-len", "32", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert verify(out).ok
+    return (json.loads((out / "ascend_quant_calibration.json").read_text()),
+            (out / "ascend_quant_recipe.yaml").read_text())
+
+
+@pytest.mark.parametrize("family,rotated", [("llama", True), ("gemma3", False)])
+def test_the_w4a8_preset_rotates_or_smooths(tmp_path, saved, calib_jsonl, family, rotated):
     """No flags but the scheme: W4A8 rotates the Llama and does not smooth it (the saved recipe
     has no SmoothQuant, no group has an alpha); on Gemma, which takes no rotation, it smooths
     (an alpha searched for every group with a producer)."""
-    common = ["--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32", "--threads", "1",
-              "--scheme", "w4a8", "--group-size", "32"]
-    for family, rotated in (("llama", True), ("gemma3", False)):
-        out = tmp_path / family
-        result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), *common])
-        assert result.exit_code == 0, result.output
-        assert verify(out).ok
-        calib = json.loads((out / "ascend_quant_calibration.json").read_text())
-        recipe_text = (out / "ascend_quant_recipe.yaml").read_text()
-        assert ("rotation" in calib) is rotated
-        alphas = [a for layer in calib["layers"] for a in layer["smoothquant_alphas"]]
-        if rotated:
-            assert "smoothquant: null" in recipe_text and not alphas
-        else:
-            assert "rotated: false" in recipe_text and alphas
+    calib, recipe_text = _calibrate_with_the_preset(saved, family, tmp_path / family, calib_jsonl, "w4a8")
+    assert ("rotation" in calib) is rotated
+    alphas = [a for layer in calib["layers"] for a in layer["smoothquant_alphas"]]
+    if rotated:
+        assert "smoothquant: null" in recipe_text and not alphas
+    else:
+        assert "rotated: false" in recipe_text and alphas
 
 
-def test_the_w4a16_preset_rotates_where_supported_with_awq_and_zero_points(tmp_path, saved, calib_jsonl):
+@pytest.mark.parametrize("family,rotated", [("llama", True), ("gemma3", False)])
+def test_the_w4a16_preset_rotates_where_supported_with_awq_and_zero_points(tmp_path, saved, calib_jsonl,
+                                                                           family, rotated):
     """No flags but the scheme: W4A16 rotates the Llama and not Gemma; both take AWQ's search
     (an alpha or no scaling recorded per group with a producer) and store zero points."""
     from safetensors.torch import load_file
-    common = ["--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32", "--threads", "1",
-              "--scheme", "w4a16", "--group-size", "32"]
-    for family, rotated in (("llama", True), ("gemma3", False)):
-        out = tmp_path / family
-        result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), *common])
-        assert result.exit_code == 0, result.output
-        assert verify(out).ok
-        calib = json.loads((out / "ascend_quant_calibration.json").read_text())
-        assert ("rotation" in calib) is rotated
-        assert all(layer.get("awq_alphas") for layer in calib["layers"])
-        tensors = {}
-        for f in out.glob("*.safetensors"):
-            tensors.update(load_file(f))
-        offsets = [t for name, t in tensors.items() if name.endswith("proj.weight_offset")]
-        assert offsets and any(bool((t != 0).any()) for t in offsets)
+    out = tmp_path / family
+    calib, _ = _calibrate_with_the_preset(saved, family, out, calib_jsonl, "w4a16")
+    assert ("rotation" in calib) is rotated
+    assert all(layer.get("awq_alphas") for layer in calib["layers"])
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    offsets = [t for name, t in tensors.items() if name.endswith("proj.weight_offset")]
+    assert offsets and any(bool((t != 0).any()) for t in offsets)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
