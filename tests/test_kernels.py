@@ -19,7 +19,8 @@ from conftest import rounding_boundaries
 REF = ReferenceBackend()
 HAS_AMX = cpu.cpu_has_amx_int8() and cpu.cpu_isa() == "amx"       # our AMX-INT8 GEMM runs here
 # the traceable dynamic int8 paths this CPU runs (neither: the test checks it is not traced)
-TRACED_GEMMS = [g for g, ok in (("amx", HAS_AMX), ("onednn", cpu_has_vnni() and vllm_cpu_ops() is not None)) if ok]
+TRACED_GEMMS = [g for g, ok in (("amx", HAS_AMX), ("onednn", cpu_has_vnni() and vllm_cpu_ops() is not None),
+                                 ("gemv", True)) if ok]
 
 
 def _backends():
@@ -237,7 +238,7 @@ def test_cpu_gemm_switch_forces_a_path(monkeypatch):
     if HAS_AMX:
         expected = "amx"
     else:
-        expected = "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
+        expected = "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "gemv"
     assert kernels.get_backend("cpu", "int8_matmul").gemm == expected
 
 
@@ -248,7 +249,7 @@ def test_onednn_is_refused_without_vnni(monkeypatch):
 
     monkeypatch.setattr(cpu, "cpu_has_vnni", lambda: False)
     monkeypatch.setattr(cpu, "cpu_has_amx_int8", lambda: False)    # no CPU has AMX-INT8 without VNNI
-    assert cpu.default_gemm() == "f32"
+    assert cpu.default_gemm() == "gemv"
     with pytest.raises(ValueError, match="needs vLLM's CPU ops and a CPU with VNNI"):
         CpuBackend(gemm="onednn")
 
@@ -294,14 +295,14 @@ def test_finalized_int8_linear_keeps_one_copy(out_dtype, with_bias):
 @pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC"])
 @pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, False), (torch.bfloat16, True),
                                                  (torch.float32, True)])
-@pytest.mark.parametrize("gemm", TRACED_GEMMS or ["f32"])
+@pytest.mark.parametrize("gemm", [*TRACED_GEMMS, "f32"])
 def test_traced_int8_linear_equals_the_eager_call(scheme, out_dtype, with_bias, gemm):
     """Where the cpu backend says a finalized dynamic int8 Linear is traceable (oneDNN, VNNI
-    CPUs: torch ops; AMX-INT8 CPUs: our operator, which quantizes inside), torch.compile traces
-    it whole (fullgraph: the C quantizer would break the graph) and gives the eager call's
-    outputs bit for bit (oneDNN: inductor's compiled quantizer), on rounding boundaries of
-    x / s_t, for token counts 1 to 33 in one dynamic graph. Elsewhere (no VNNI: our own GEMM,
-    which keeps integers and calls C) it is not traceable."""
+    CPUs: torch ops; AMX-INT8 CPUs and our integer GEMV, every CPU: our operators, which quantize
+    inside), torch.compile traces it whole (fullgraph: the C quantizer would break the graph) and
+    gives the eager call's outputs bit for bit (oneDNN: inductor's compiled quantizer), on
+    rounding boundaries of x / s_t, for token counts 1 to 33 in one dynamic graph. The float32
+    GEMMs (which keep integers and call C through Python) are not traceable."""
     g = torch.Generator().manual_seed(5)
     n, k = 40, 754                  # 754 of the 763 boundary columns: a vector tail
     w_q, s = numerics.quantize_weight(torch.randn(n, k, generator=g), 4 if scheme == "W4A8_DYNAMIC" else 8)

@@ -147,14 +147,17 @@ def _compiled_variants() -> dict[str, tuple[str, dict[str, str]]]:
     """Engines in vLLM's default mode (torch.compile, no enforce_eager), one per family of methods:
     mixed_a holds static W8A8, W8A8_DYNAMIC, W8A16 and per-channel W4A8; mixed_b W4A16, two-stage
     W4A8, FLOAT with a norm bias and int64 deq_scale; v1_w8a8_static_c8 static W8A8 with the int8
-    KV cache. Where the default int8 GEMM is oneDNN (VNNI CPUs) or our AMX-INT8 kernel (AMX CPUs),
-    mixed_a runs once more with the exact-f32 path forced, and on AMX CPUs once more with oneDNN,
-    so every CPU int8 path this CPU runs is compiled wherever the suite runs; mixed_b runs
+    KV cache. mixed_a runs once more with each int8 GEMM this CPU runs that is not its default:
+    our integer GEMV (the default without VNNI), the exact-f32 path, and oneDNN on AMX CPUs
+    (whose default is our AMX-INT8 kernel), so every CPU int8 path is compiled wherever the
+    suite runs; mixed_b runs
     once more with the weight-only GEMV called through ctypes inside our opaque op (`OP_ENV=0`,
     the path where the C++ operator cannot be built)."""
     from ascend_quant.runtime.kernels.cpu import GEMM_ENV, OP_ENV, default_gemm
 
     variants = {name: (name, {}) for name in ("mixed_a", "mixed_b", "v1_w8a8_static_c8")}
+    if default_gemm() != "gemv":
+        variants["mixed_a-gemv"] = ("mixed_a", {GEMM_ENV: "gemv"})
     if default_gemm() != "f32":
         variants["mixed_a-f32"] = ("mixed_a", {GEMM_ENV: "f32"})
     if default_gemm() == "amx":
@@ -202,17 +205,16 @@ def test_compiled_mode_gives_the_eager_tokens(variant, checkpoints, generations,
 def test_compiled_mode_traces_the_linears_it_can(compiled_generations):
     """Traced into the compiled graph (CpuBackend.traceable): with oneDNN (VNNI CPUs) mixed_a's
     dynamic int8 Linears (W8A8_DYNAMIC, per-channel W4A8), and the same with our AMX-INT8 operator
-    (`ascend_quant_cpu::int8_linear`, AMX CPUs); and everywhere the Linears whose weights are in
+    (`ascend_quant_cpu::int8_linear`, AMX CPUs) or our integer GEMV's
+    (`ascend_quant_cpu::int8_gemv_linear`, the others); and everywhere the Linears whose weights are in
     the GEMV layout, through the C++ operator `ascend_quant_cpu::wq_linear`: mixed_a's W8A16,
     mixed_b's W4A16 and two-stage W4A8. Static W8A8, and the weight-only ones with the operator
     switched off (OP_ENV=0), stay opaque ops."""
-    from ascend_quant.runtime.kernels.cpu import cpu_has_amx_int8, cpu_has_vnni, cpu_isa, vllm_cpu_ops
-
-    amx = cpu_has_amx_int8() and cpu_isa() == "amx"
-    onednn = cpu_has_vnni() and vllm_cpu_ops() is not None
     dynamic = [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
     w8a16 = [f"model.layers.1.self_attn.{p}" for p in ("o_proj", "qkv_proj")]
-    assert compiled_generations["mixed_a"][1] == sorted(w8a16 + (dynamic if amx or onednn else []))
+    assert compiled_generations["mixed_a"][1] == sorted(w8a16 + dynamic)
+    if "mixed_a-gemv" in compiled_generations:
+        assert compiled_generations["mixed_a-gemv"][1] == sorted(w8a16 + dynamic)
     if "mixed_a-f32" in compiled_generations:
         assert compiled_generations["mixed_a-f32"][1] == w8a16
     if "mixed_a-onednn" in compiled_generations:

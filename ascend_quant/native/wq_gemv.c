@@ -15,8 +15,8 @@
  * added at the end of the row; the offset enters as offset * scale * sum(x over the group).
  * mode 1 (int8 activations, per-channel int4/int8 weights): acc = x_q @ w^T exactly, then
  * y = ((acc * scale[j]) * pertoken[t]) + bias[j] in float32 (the reference's epilogue, in its
- * order). Exact because every lane's partial sum is an integer of magnitude below 2^24 (the
- * caller checks k against that bound) and the lanes are added as int32.
+ * order); per channel it runs in integers (wq_int8_gemv, below). Otherwise (float lanes, kept
+ * for per-group weights) exact while every lane's partial sum is an integer below 2^24.
  *
  * Built three times: -mavx512bf16 (bfloat16 activations through VDPBF16PS, see below; the
  * rest as AVX-512), -mavx512f -mavx512bw (16 floats a vector) and -mavx2 -mfma (8 floats);
@@ -537,11 +537,18 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
 /* x: [m, k] with row stride ldx, dtype xdt (0 float32, 1 bfloat16, 2 int8); y: [m, n] with row
  * stride ldy, dtype ydt (0 float32, 1 bfloat16). offset, bias, pertoken may be NULL.
  * Returns through y only; a failed allocation leaves y untouched and sets *status = 1. */
+void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
+                  const void *w, int bits, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
+                  const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status);
+
 void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
              const void *w, int bits, int64_t n, int64_t groups, int64_t gsz, int64_t gp,
              const float *scale, const float *offset, const float *bias, const float *pertoken,
              int mode, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
-    (void)k;
+    if (mode == 1 && groups == 1) {     /* per-channel int8 activations: in integers (wq_int8_gemv) */
+        wq_int8_gemv(x, xdt, m, k, ldx, pertoken, w, bits, n, gp, scale, NULL, bias, y, ydt, ldy, nthreads, status);
+        return;
+    }
 #if HAVE_AMX
     if (xdt == 1 && mode == 0 && m >= AMX_MIN_M && ldx % 2 == 0 && amx_permitted()) {
         amx_gemv(x, m, ldx, w, bits, n, groups, gsz, gp, scale, offset, bias, y, ydt, ldy, nthreads, status);
@@ -639,20 +646,37 @@ void wq_dequant(const void *w, int bits, int64_t n, int64_t groups, int64_t gsz,
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n * (end - start) >= (1 << 16))
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *row = (const uint8_t *)w + j * row_bytes;
-        float *o = out + j * ldo;
-        for (int64_t c = start; c < end; c++) {
-            const int64_t g = c / gsz, idx = g * gp + c % gsz;
-            int v;
-            if (bits == 4) {
-                const int p = (int)(idx % 32);
-                const uint8_t byte = row[idx / 32 * 16 + (p & 15)];
-                v = p < 16 ? (byte & 0xF) : (byte >> 4);
-                v = v >= 8 ? v - 16 : v;
+        float *o = out + j * ldo - start;
+        for (int64_t g = start / gsz; g < groups && g * gsz < end; g++) {      /* no division per value */
+            const int64_t c0 = start > g * gsz ? start : g * gsz, c1 = end < (g + 1) * gsz ? end : (g + 1) * gsz;
+            const int64_t base = g * gp - g * gsz;                              /* layout index of column c: base + c */
+            const float s = scale[j * groups + g], off = offset ? offset[j * groups + g] : 0.f;
+            if (bits == 8) {
+                const int8_t *r8 = (const int8_t *)row + base;
+                if (offset) for (int64_t c = c0; c < c1; c++) o[c] = ((float)r8[c] - off) * s;
+                else for (int64_t c = c0; c < c1; c++) o[c] = (float)r8[c] * s;
             } else {
-                v = ((const int8_t *)row)[idx];
+#define INT4_AT(byte, hi) ((float)(((((hi) ? (byte) >> 4 : (byte)) & 0xF) ^ 8) - 8))
+#define DEQ(v) (offset ? ((v) - off) * s : (v) * s)
+                int64_t c = c0;
+                for (; c < c1 && ((base + c) & 31); c++) {          /* up to a block of 32 */
+                    const int64_t idx = base + c, p = idx & 31;
+                    o[c] = DEQ(INT4_AT(row[(idx >> 5) * 16 + (p & 15)], p >= 16));
+                }
+                for (; c + 32 <= c1; c += 32) {                     /* whole blocks: 16 bytes, 32 values */
+                    const uint8_t *b = row + ((base + c) >> 5) * 16;
+                    for (int i = 0; i < 16; i++) {
+                        o[c + i] = DEQ(INT4_AT(b[i], 0));
+                        o[c + 16 + i] = DEQ(INT4_AT(b[i], 1));
+                    }
+                }
+                for (; c < c1; c++) {
+                    const int64_t idx = base + c, p = idx & 31;
+                    o[c] = DEQ(INT4_AT(row[(idx >> 5) * 16 + (p & 15)], p >= 16));
+                }
+#undef DEQ
+#undef INT4_AT
             }
-            const float f = (float)v;
-            o[c - start] = offset ? (f - offset[j * groups + g]) * scale[j * groups + g] : f * scale[j * groups + g];
         }
     }
 }
@@ -786,6 +810,138 @@ void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t 
         }
         free(a);
     }
+}
+
+/* The int8-activation Linear in integers, on AVX2 instructions in every build: the int8 GEMM of
+ * CPUs without VNNI (`ASCEND_QUANT_CPU_GEMM=gemv`) and mode 1 of wq_gemv. Weights in the GEMV
+ * layout above, per channel (one group of kp values a row, kp a multiple of 32):
+ *
+ *     y[t, j] = (((acc[t, j] + qbias[j]) * scale[j]) * s_t[t]) + bias[j],  acc = x_q @ w^T (int32)
+ *
+ * the reference's epilogue in its order, float32, cast to y's dtype last; x as wq_int8_linear
+ * takes it (int8 with `pertoken` or none, or float32 / bfloat16 quantized here by quant_row).
+ * VPMADDUBSW multiplies 32 unsigned by 32 signed bytes into 16 int16 pair sums, VPMADDWD by
+ * ones widens them to int32. The operands are chosen so that no pair sum saturates (|sum| < 2^15):
+ *   int4: unsigned = the weight + 8 (0..15: the nibble XOR 8), signed = x_q: pairs at most
+ *         2 * 15 * 128; the 8 * sum(x_q) this adds is subtracted per token at the end.
+ *   int8: unsigned = |x_q| (at most 128), signed = w with x_q's sign (VPSIGNB): pairs at most
+ *         2 * 128 * 127. A weight of -128 would not negate, so cpu.py keeps such weights off
+ *         this path.
+ * Exact while kp * 128 * 128 < 2^31. Output channels in blocks of RB over the threads. */
+static inline int32_t hsum_epi32(__m256i a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* R output channels x MT tokens of acc (int4: before the 8 * sum(x_q) correction): res[r * MT_MAX + t] */
+static inline __attribute__((always_inline)) void row_tile_int(
+        const int R, const int MT, const int BITS, const int8_t *xq, const uint8_t *xa, int64_t kp,
+        const uint8_t *wrow, int64_t row_bytes, int32_t *res) {
+    __m256i acc[RB][MT_MAX];
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    const __m128i flip = _mm_set1_epi8((char)0x88);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) acc[r][t] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < kp; i += 32) {
+        for (int r = 0; r < R; r++) {
+            __m256i w;
+            if (BITS == 4) {        /* 16 bytes: values i..i+15 in the low nibbles, i+16..i+31 in the high */
+                const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(wrow + r * row_bytes + i / 2)), flip);
+                w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);
+            } else {
+                w = _mm256_loadu_si256((const __m256i *)(wrow + r * row_bytes + i));
+            }
+            for (int t = 0; t < MT; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * kp + i));
+                const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(w, x)
+                                            : _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xa + t * kp + i)),
+                                                                   _mm256_sign_epi8(w, x));
+                acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(p, ones));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) res[r * MT_MAX + t] = hsum_epi32(acc[r][t]);
+}
+
+#define TILE_INT(R, M) { if (bits == 4) row_tile_int(R, M, 4, xq, xa, kp, wrow, row_bytes, res); \
+                         else row_tile_int(R, M, 8, xq, xa, kp, wrow, row_bytes, res); }
+
+static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, const uint8_t *xa, int64_t kp,
+                           const uint8_t *wrow, int64_t row_bytes, int32_t *res) {
+    if (mt == 1 && rows >= 4) { TILE_INT(4, 1) return 4; }
+    if (mt <= 3 && rows >= 2) {
+        switch (mt) { case 1: TILE_INT(2, 1) break; case 2: TILE_INT(2, 2) break; default: TILE_INT(2, 3) }
+        return 2;
+    }
+    switch (mt) {
+        case 1: TILE_INT(1, 1) break; case 2: TILE_INT(1, 2) break; case 3: TILE_INT(1, 3) break; case 4: TILE_INT(1, 4) break;
+        case 5: TILE_INT(1, 5) break; case 6: TILE_INT(1, 6) break; case 7: TILE_INT(1, 7) break; default: TILE_INT(1, 8)
+    }
+    return 1;
+}
+#undef TILE_INT
+
+void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
+                  const void *w, int bits, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
+                  const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    const size_t xbytes = ((size_t)(m * kp) + 63) / 64 * 64;
+    int8_t *xq = aligned_alloc(64, xbytes);
+    uint8_t *xa = bits == 8 ? aligned_alloc(64, xbytes) : NULL;      /* |x_q| */
+    float *st = malloc((size_t)m * sizeof(float));
+    int32_t *xs = malloc((size_t)m * sizeof(int32_t));               /* sum(x_q) per token */
+    if (!xq || (bits == 8 && !xa) || !st || !xs) { free(xq); free(xa); free(st); free(xs); *status = 1; return; }
+    const int esz = xdt == 0 ? 4 : xdt == 1 ? 2 : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k >= (1 << 15))
+    for (int64_t t = 0; t < m; t++) {
+        int8_t *row = xq + t * kp;
+        const char *src = (const char *)x + t * ldx * esz;
+        if (xdt == 2) {
+            memcpy(row, src, (size_t)k);
+            st[t] = pertoken ? pertoken[t] : 1.f;
+        } else {
+            st[t] = quant_row(src, xdt, k, row);
+        }
+        memset(row + k, 0, (size_t)(kp - k));
+        int32_t s = 0;
+        for (int64_t i = 0; i < k; i++) s += row[i];
+        xs[t] = s;
+        if (xa)
+            for (int64_t i = 0; i < kp; i++) xa[t * kp + i] = (uint8_t)(row[i] < 0 ? -row[i] : row[i]);
+    }
+    const int use_st = xdt != 2 || pertoken;
+    const int64_t row_bytes = bits == 4 ? kp / 2 : kp, blocks = (n + RB - 1) / RB;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * kp * (m < 4 ? m : 4) >= (1 << 16))
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t j0 = b * RB, j1 = j0 + RB < n ? j0 + RB : n;
+        int32_t res[RB * MT_MAX];
+        for (int64_t t0 = 0; t0 < m; t0 += MT_MAX) {
+            const int mt = m - t0 < MT_MAX ? (int)(m - t0) : MT_MAX;
+            for (int64_t jr = j0; jr < j1;) {
+                const int done = tile_int((int)(j1 - jr), mt, bits, xq + t0 * kp, xa ? xa + t0 * kp : NULL, kp,
+                                          (const uint8_t *)w + jr * row_bytes, row_bytes, res);
+                for (int r = 0; r < done; r++) {
+                    const int64_t j = jr + r;
+                    for (int t = 0; t < mt; t++) {
+                        int32_t a = res[r * MT_MAX + t];
+                        if (bits == 4) a -= 8 * xs[t0 + t];
+                        if (qbias) a += qbias[j];
+                        float v = (float)a * scale[j];
+                        if (use_st) v = v * st[t0 + t];
+                        if (bias) v = v + bias[j];
+                        store_y(y, ydt, (t0 + t) * ldy + j, v);
+                    }
+                }
+                jr += done;
+            }
+        }
+    }
+    free(xq);
+    free(xa);
+    free(st);
+    free(xs);
 }
 
 /* The int8 x int8 Linear on AMX-INT8 tiles (the `amx` build with -mamx-int8):

@@ -22,7 +22,9 @@
 //     torch.ops.ascend_quant_cpu.int8_linear(x, pertoken, wp, scale, quant_bias, bias, n, out_dtype)
 //
 // over the amx build's wq_int8_linear (registered by Python through `wq_op_register_int8`),
-// which quantizes float activations per token itself, so a traced dynamic Linear is this one call.
+// which quantizes float activations per token itself, so a traced dynamic Linear is this one call;
+// and `int8_gemv_linear`, the same call over the integer GEMV of any build (wq_int8_gemv: AVX2's
+// VPMADDUBSW, the int8 GEMM of CPUs without VNNI) for weights in the GEMV layout.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -142,7 +144,91 @@ at::Tensor int8_linear(const at::Tensor &x, const c10::optional<at::Tensor> &per
     return (y.scalar_type() == want ? y : y.to(want)).view(shape);
 }
 
+using int8_gemv_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
+                             const void *w, int bits, int64_t n, int64_t kp, const float *scale,
+                             const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads,
+                             int *status);
+using quant_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *scale,
+                         int nthreads);
+int8_gemv_fn g_int8_gemv[kSlots] = {};
+quant_fn g_quant[kSlots] = {};
+
+// The same Linear on the integer GEMV (wq_gemv.c: wq_int8_gemv, any build: AVX2 instructions) for
+// weights in the GEMV layout (runtime/kernels/cpu.py: GemvWeight, per channel): q int8 [n, kp]
+// or int4 pairs [n, kp / 2]. The arguments and outputs as int8_linear's. More than max_m tokens
+// (prefill): the exact float32 GEMMs over k-chunks of 1024 (reference.exact_int8_matmul's
+// algorithm: ATen's mm on x_q and wq_dequant's integer values, every partial sum an integer below
+// 2^24), then the reference's epilogue in ATen ops, in its order.
+at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor> &pertoken, const at::Tensor &q,
+                            const at::Tensor &scale, const c10::optional<at::Tensor> &quant_bias,
+                            const c10::optional<at::Tensor> &bias, int64_t isa, int64_t bits, int64_t max_m,
+                            c10::optional<at::ScalarType> out_dtype) {
+    TORCH_CHECK(isa >= 0 && isa < kSlots && g_int8_gemv[isa] && g_quant[isa] && g_dequant[isa],
+                "ascend_quant_cpu::int8_gemv_linear: the GEMV build ", isa, " is not loaded in this process");
+    const int64_t k = x.size(-1), n = q.size(0), kp = q.size(1) * (bits == 4 ? 2 : 1);
+    TORCH_CHECK(q.dtype() == at::kChar && q.is_contiguous() && (bits == 4 || bits == 8) && kp % 32 == 0 && kp >= k
+                && kp - k < 32, "ascend_quant_cpu::int8_gemv_linear: the weight does not hold ", k, " in-features");
+    TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+                "ascend_quant_cpu::int8_gemv_linear: scale must be contiguous float32 [n]");
+    at::Tensor x2 = x.reshape({-1, k});
+    const bool int8_in = x2.scalar_type() == at::kChar;
+    if (!int8_in && x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
+    if (x2.stride(-1) != 1) x2 = x2.contiguous();
+    const int64_t m = x2.size(0);
+    const at::ScalarType want = out_dtype.has_value() ? *out_dtype : (int8_in ? at::kFloat : x.scalar_type());
+    const bool bf16_out = want == at::kBFloat16;
+    at::Tensor y = at::empty({m, n}, x2.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+    c10::optional<at::Tensor> pt, qb, b;
+    if (int8_in && pertoken.has_value()) pt = pertoken->to(at::kFloat).reshape({-1}).contiguous();
+    if (quant_bias.has_value()) qb = quant_bias->to(at::kInt).contiguous();
+    if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(!pt.has_value() || pt->numel() == m, "ascend_quant_cpu::int8_gemv_linear: one pertoken scale per token");
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(n);
+    if (m > max_m) {
+        at::Tensor xq = x2, st;
+        if (!int8_in) {
+            xq = at::empty({m, k}, x2.options().dtype(at::kChar));
+            st = at::empty({m, 1}, x2.options().dtype(at::kFloat));
+            g_quant[isa](x2.data_ptr(), x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
+                         xq.data_ptr<int8_t>(), st.data_ptr<float>(), at::get_num_threads());
+        } else if (pt.has_value()) {
+            st = pt->reshape({-1, 1});
+        }
+        const at::Tensor xf = xq.to(at::kFloat), ones = at::ones({n, 1}, scale.options());
+        at::Tensor w = at::empty({n, std::min(kChunk, k)}, xf.options()), acc;
+        for (int64_t start = 0; start < k; start += kChunk) {
+            const int64_t end = std::min(start + kChunk, k);
+            at::Tensor wc = w.narrow(1, 0, end - start);
+            g_dequant[isa](q.data_ptr(), (int)bits, n, 1, k, kp, ones.data_ptr<float>(), nullptr, start, end,
+                           wc.data_ptr<float>(), w.stride(0), at::get_num_threads());
+            at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t()).to(at::kInt);
+            acc = start == 0 ? part : acc.add_(part);
+        }
+        if (qb.has_value()) acc.add_(*qb);
+        at::Tensor yf = acc.to(at::kFloat).mul_(scale);
+        if (st.defined()) yf.mul_(st);
+        if (b.has_value()) yf.add_(*b);
+        return yf.to(want).view(shape);
+    }
+    int status = 0;
+    g_int8_gemv[isa](x2.data_ptr(), int8_in ? 2 : x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
+                     pt.has_value() ? pt->data_ptr<float>() : nullptr, q.data_ptr(), (int)bits, n, kp,
+                     scale.data_ptr<float>(), qb.has_value() ? qb->data_ptr<int32_t>() : nullptr, opt_ptr(b),
+                     y.data_ptr(), bf16_out ? 1 : 0, n, at::get_num_threads(), &status);
+    TORCH_CHECK(status == 0, "ascend_quant_cpu::int8_gemv_linear: could not allocate its activation buffer");
+    return (y.scalar_type() == want ? y : y.to(want)).view(shape);
+}
+
 }  // namespace
+
+// Python hands over one build's wq_int8_gemv and wq_quant_dynamic (slot = its index in cpu.ISAS).
+extern "C" void wq_op_register_int8_gemv(int slot, void *fn, void *quant) {
+    if (slot >= 0 && slot < kSlots) {
+        g_int8_gemv[slot] = reinterpret_cast<int8_gemv_fn>(fn);
+        g_quant[slot] = reinterpret_cast<quant_fn>(quant);
+    }
+}
 
 // Python hands over the amx build's wq_int8_linear (the only build with AMX-INT8).
 extern "C" void wq_op_register_int8(void *fn) { g_int8 = reinterpret_cast<int8_fn>(fn); }
@@ -160,9 +246,12 @@ TORCH_LIBRARY(ascend_quant_cpu, m) {
           "int group_size, int gp, int max_m) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor? pertoken, Tensor wp, Tensor scale, Tensor? quant_bias, Tensor? bias, "
           "int n, ScalarType? out_dtype) -> Tensor");
+    m.def("int8_gemv_linear(Tensor x, Tensor? pertoken, Tensor q, Tensor scale, Tensor? quant_bias, Tensor? bias, "
+          "int isa, int bits, int max_m, ScalarType? out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ascend_quant_cpu, CPU, m) {
     m.impl("wq_linear", &wq_linear);
     m.impl("int8_linear", &int8_linear);
+    m.impl("int8_gemv_linear", &int8_gemv_linear);
 }

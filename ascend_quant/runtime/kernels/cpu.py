@@ -8,10 +8,16 @@ The int8 x int8 product is exact on every path; which one runs (`gemm`):
     inside the same call by the reference's quantizer (`int8_matmul_dynamic`), so compiled mode
     traces one operator per Linear;
   * "onednn": vLLM's `onednn_scaled_mm`, only where the CPU has VNNI (see below);
+  * "gemv": our integer GEMV (`native/wq_gemv.c`: wq_int8_gemv, through the C++ operator
+    `ascend_quant_cpu::int8_gemv_linear`), the default without VNNI: AVX2's VPMADDUBSW with
+    operands that cannot saturate (int4: the weight + 8 against x_q; int8: |x_q| against w with
+    x_q's sign, so int8 weights holding -128 stay on "f32"), exact int32 sums, the reference's
+    epilogue, the weights read once per call in the GEMV layout (one int8 byte or half a byte per
+    weight); the dynamic quantizer inside the same call, as on "amx";
   * "f32": float32 GEMMs over k-chunks of 1024 (`reference.exact_int8_matmul`; exact because
-    every partial sum stays an integer below 2^24), the default without VNNI: measured here
-    (AVX2, 1 thread, 512x576x1536) MKL's sgemm is ~20x faster than `torch._int_mm`, whose CPU
-    kernel has no int8 fast path on such CPUs, and ~6x faster than a bf16 matmul;
+    every partial sum stays an integer below 2^24), where "gemv" cannot run (no C compiler):
+    measured on an AVX2 CPU (1 thread, 512x576x1536) MKL's sgemm is ~20x faster than
+    `torch._int_mm`, whose CPU kernel has no int8 fast path on such CPUs;
   * "int_mm": `torch._int_mm` (int32 accumulate), kept for comparison in the benchmark.
 
 On CPUs without VNNI (AVX2 only, like the 2-core machine this was written on) oneDNN's
@@ -19,12 +25,11 @@ s8 x s8 GEMM multiplies through `vpmaddubsw`, whose int16 pair sums saturate: me
 full-range int8 operands come out wrong by up to a third. It is therefore used only when
 /proc/cpuinfo names avx512_vnni, avx_vnni or amx_int8; `torch._int_mm` is exact everywhere.
 
-`ASCEND_QUANT_CPU_GEMM=f32` (or `onednn`, `int_mm`) forces a path, so the exact-f32 path,
-the default of AVX2 machines, is tested and served on a VNNI machine too. Forcing `onednn`
+`ASCEND_QUANT_CPU_GEMM=gemv` (or `f32`, `onednn`, `int_mm`) forces a path, so the integer
+GEMV, the default of AVX2 machines, is tested and served on a VNNI machine too. Forcing `onednn`
 without VNNI is refused: its results would be wrong.
 
-Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes and of the
-int4 weights of W4A8 run our C GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights
+Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes run our C GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights
 once per call and converts them in registers. Its AMX build (AMX-BF16 tiles for bfloat16
 activations from 4 tokens on, prefill included: the weights converted per block of 32 output
 channels into a panel every tile of tokens reuses), AVX-512-BF16 (bfloat16 activations through
@@ -63,13 +68,13 @@ import torch
 from ascend_quant import native, numerics
 from ascend_quant.runtime.kernels.reference import EXACT_F32_CHUNK, ReferenceBackend, exact_int8_matmul, int8_epilogue
 
-GEMMS = ("amx", "onednn", "f32", "int_mm")
+GEMMS = ("amx", "onednn", "gemv", "f32", "int_mm")
 GEMM_ENV = "ASCEND_QUANT_CPU_GEMM"
 # How weights are kept: "compact" (default) keeps the integers (int4 packed two per byte), in
 # the GEMV kernel's layout when it is available, and large batches convert one k-chunk at a
 # time inside each call, so serving memory is what the checkpoint promises (1 byte per int8
 # weight, half a byte per int4 weight); "float32" keeps a float32 copy (4 bytes per weight,
-# no GEMV kernel), a little faster for prefill on CPUs without VNNI.
+# no GEMV kernel), for the "f32" GEMM, a little faster for prefill there.
 WEIGHTS_ENV = "ASCEND_QUANT_CPU_WEIGHTS"
 ISA_ENV = "ASCEND_QUANT_CPU_ISA"
 ISAS = ("amx", "avx512bf16", "avx512", "avx2", "off")
@@ -163,13 +168,15 @@ def gemv_isa() -> str:
 def default_gemm(amx: bool = True) -> str:
     """The int8 GEMM path: `ASCEND_QUANT_CPU_GEMM` if set, else our AMX-INT8 kernel where the CPU
     has it and the amx GEMV build is selected (`amx=False`: the choice without it), else oneDNN
-    where it is exact and fast, else the exact-f32 GEMMs."""
+    where it is exact and fast, else our integer GEMV (the exact-f32 GEMMs with the GEMV off)."""
     forced = os.environ.get(GEMM_ENV)
     if forced:
         return forced
     if amx and cpu_has_amx_int8() and gemv_isa() == "amx":
         return "amx"
-    return "onednn" if cpu_has_vnni() and vllm_cpu_ops() is not None else "f32"
+    if cpu_has_vnni() and vllm_cpu_ops() is not None:
+        return "onednn"
+    return "gemv" if gemv_isa() != "off" else "f32"
 
 
 def check_env() -> None:
@@ -289,6 +296,30 @@ def _int8_op(isa: str, gemv_lib):
     return torch.ops.ascend_quant_cpu.int8_linear
 
 
+def _int8_gemv_op(isa: str, gemv_lib):
+    """`torch.ops.ascend_quant_cpu.int8_gemv_linear` with this GEMV build's integer kernel
+    registered in it (slot: the build's index in ISAS), or None: no GEMV build, no C++ operator,
+    or `ASCEND_QUANT_CPU_OP=0` (the same kernel through ctypes)."""
+    if gemv_lib is None or os.environ.get(OP_ENV, "1") == "0":
+        return None
+    lib = native.WQ_OP.load()
+    if lib is None:
+        return None
+    lib.wq_op_register_int8_gemv(ISAS.index(isa), ctypes.cast(gemv_lib.wq_int8_gemv, ctypes.c_void_p),
+                                 ctypes.cast(gemv_lib.wq_quant_dynamic, ctypes.c_void_p))
+    _register_int8_gemv_fake()
+    return torch.ops.ascend_quant_cpu.int8_gemv_linear
+
+
+@functools.lru_cache(maxsize=1)
+def _register_int8_gemv_fake() -> None:
+    """The output's shape and dtype of `int8_gemv_linear` for tracing (vLLM's compiled mode)."""
+    @torch.library.register_fake("ascend_quant_cpu::int8_gemv_linear")
+    def _(x, pertoken, q, scale, quant_bias, bias, isa, bits, max_m, out_dtype):
+        dt = out_dtype if out_dtype is not None else (torch.float32 if x.dtype == torch.int8 else x.dtype)
+        return x.new_empty((*x.shape[:-1], q.shape[0]), dtype=dt)
+
+
 @functools.lru_cache(maxsize=1)
 def _register_int8_fake() -> None:
     """The output's shape and dtype of `int8_linear` for tracing (vLLM's compiled mode)."""
@@ -314,11 +345,9 @@ def _onednn_out_dtype(out_dtype: torch.dtype, has_bias: bool) -> torch.dtype:
 
 
 def _gemv_exact(w: GemvWeight) -> bool:
-    """Whether mode 1 (int8 x_q) is exact for `w`: every lane of the kernel sums at most
-    groups * gp / 8 products (AVX2: 8 lanes), each at most 128 * 2^(bits-1) in magnitude, and
-    float32 holds every integer up to 2^24."""
-    kp = w.scale.shape[1] * w.gp
-    return w.scale.shape[1] == 1 and kp // 8 * 128 * (1 << (w.bits - 1)) <= 2 ** 24
+    """Whether mode 1 (int8 x_q, `wq_int8_gemv`) is exact for `w`: one group (per channel) and
+    int32 sums that cannot overflow (kp * 128 * 128 < 2^31)."""
+    return w.scale.shape[1] == 1 and w.gp * 128 * 128 < 2 ** 31
 
 
 @dataclass
@@ -531,6 +560,12 @@ class CpuBackend(ReferenceBackend):
                 raise ValueError(f"{GEMM_ENV}=amx needs a CPU with AMX-INT8, the amx GEMV build "
                                  f"({ISA_ENV} unset or amx) and the C++ operator ({OP_ENV} not 0)")
             gemm = default_gemm(amx=False)      # no compiler here: the next path
+        if gemm == "gemv" and self.gemv_lib is None:
+            if forced:
+                raise ValueError(f"{GEMM_ENV}=gemv needs the GEMV library ({ISA_ENV} not off, a C compiler)")
+            gemm = "f32"
+        # the integer GEMV's operator (None: called through ctypes, or another GEMM)
+        self.int8_gemv_op = _int8_gemv_op(self.isa, self.gemv_lib) if gemm == "gemv" else None
         self.gemm = gemm
         self.use_onednn = gemm == "onednn"
 
@@ -584,6 +619,10 @@ class CpuBackend(ReferenceBackend):
         if self.int8_op is not None:
             return CpuInt8Weight(None, scale, None, weight.shape[0], amx=AmxInt8Weight.build(weight, bits))
         handler = {} if self.use_onednn else None
+        if self.gemm == "gemv" and (bits == 4 or int(weight.min()) > -128):     # -128: see the module doc
+            gemv = GemvWeight.build(weight, scale.reshape(-1, 1), None, bits)
+            if _gemv_exact(gemv):
+                return CpuInt8Weight(None, scale, None, weight.shape[0], gemv=gemv)
         # _int_mm is fastest with the [n, k] weight seen as a column-major [k, n]
         if self.gemm == "int_mm":
             return CpuInt8Weight(weight.contiguous().t(), scale, handler, weight.shape[0])
@@ -597,11 +636,33 @@ class CpuBackend(ReferenceBackend):
         weight_t = numerics.pack_int4(weight.t().contiguous()) if packed else weight.t().contiguous()
         return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
 
+    def _int8_gemv(self, x2, w: CpuInt8Weight, pertoken, quant_bias, bias, out_dtype):
+        """`wq_int8_gemv` through ctypes (`ASCEND_QUANT_CPU_OP=0`) on x_q [m, k], contiguous int8."""
+        g = w.gemv
+        m = x2.shape[0]
+        y = torch.empty((m, w.n), dtype=out_dtype if out_dtype in _YDT else torch.float32)
+        f = lambda t, dt: None if t is None else t.to(dt).reshape(-1).contiguous()  # noqa: E731
+        pt, qb, b = f(pertoken, torch.float32), f(quant_bias, torch.int32), f(bias, torch.float32)
+        status = ctypes.c_int(0)
+        self.gemv_lib.wq_int8_gemv(x2.data_ptr(), _XDT[x2.dtype], m, g.k, x2.stride(0),
+                                   None if pt is None else pt.data_ptr(), g.q.data_ptr(), g.bits, w.n, g.gp,
+                                   w.scale.data_ptr(), None if qb is None else qb.data_ptr(),
+                                   None if b is None else b.data_ptr(), y.data_ptr(), _YDT.get(y.dtype, 0), w.n,
+                                   torch.get_num_threads(), ctypes.byref(status))
+        if status.value:
+            raise MemoryError("wq_int8_gemv: could not allocate its activation buffer")
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
     def int8_matmul(self, x_q, w, *, pertoken_scale=None, quant_bias=None, bias=None, out_dtype=torch.float32):
         if w.amx is not None:
             return self.int8_op(x_q, pertoken_scale, w.amx.wp, w.scale, quant_bias, bias, w.n, out_dtype)
+        if w.gemv is not None and w.onednn is None and self.int8_gemv_op is not None:
+            return self.int8_gemv_op(x_q, pertoken_scale, w.gemv.q, w.scale, quant_bias, bias, ISAS.index(self.isa),
+                                     w.gemv.bits, GEMV_MAX_M, out_dtype)
         lead = x_q.shape[:-1]
         x2 = x_q if x_q.dim() == 2 and x_q.is_contiguous() else x_q.reshape(-1, x_q.shape[-1]).contiguous()
+        if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and x2.shape[0] <= GEMV_MAX_M:
+            return self._int8_gemv(x2, w, pertoken_scale, quant_bias, bias, out_dtype).reshape(*lead, -1)
         # oneDNN first where it runs: with VNNI it beat the float-lane GEMV on int4 weights at
         # every token count measured (1 to 16)
         if (w.gemv is not None and w.onednn is None and x2.shape[0] <= GEMV_MAX_M and quant_bias is None
@@ -650,6 +711,10 @@ class CpuBackend(ReferenceBackend):
         x inside (the same quantizer, so the same values bit for bit)."""
         if w.amx is not None and x.dtype in (torch.float32, torch.bfloat16):
             return self.int8_op(x, None, w.amx.wp, w.scale, None, bias, w.n, out_dtype or x.dtype)
+        if (w.gemv is not None and w.onednn is None and self.int8_gemv_op is not None
+                and x.dtype in (torch.float32, torch.bfloat16)):
+            return self.int8_gemv_op(x, None, w.gemv.q, w.scale, None, bias, ISAS.index(self.isa), w.gemv.bits,
+                                     GEMV_MAX_M, out_dtype or x.dtype)
         return super().int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
 
     def traceable(self, linear) -> bool:
@@ -665,10 +730,11 @@ class CpuBackend(ReferenceBackend):
         if isinstance(w, CpuWeightOnly):
             # W8A16, W4A16, two-stage W4A8: the C++ operator (and the traced quantizer for W4A8)
             return w.gemv is not None and self.wq_op is not None
-        if isinstance(w, CpuInt8Weight) and w.amx is not None:
-            # the AMX-INT8 operator, which quantizes dynamic activations inside. Not static W8A8:
-            # traced, its quantizer's `x * (1/s) + o` is fused into one FMA by inductor, which
-            # rounds some values the other way (measured: a different greedy token)
+        if isinstance(w, CpuInt8Weight) and (w.amx is not None or (
+                w.gemv is not None and w.onednn is None and self.int8_gemv_op is not None)):
+            # the AMX-INT8 or integer-GEMV operator, which quantizes dynamic activations inside. Not
+            # static W8A8: traced, its quantizer's `x * (1/s) + o` is fused into one FMA by
+            # inductor, which rounds some values the other way (measured: a different greedy token)
             return linear.scheme.activation_mode == "dynamic"
         return (linear.scheme.activation_mode == "dynamic" and isinstance(w, CpuInt8Weight)
                 and w.onednn is not None and len(w.onednn) == 1 and not w.holds_integers())

@@ -1,0 +1,191 @@
+"""The CPU backend's integer GEMV for int8 activations (`native/wq_gemv.c`: wq_int8_gemv, through
+the C++ operator `ascend_quant_cpu::int8_gemv_linear` or ctypes; `ASCEND_QUANT_CPU_GEMM=gemv`, the
+default on CPUs without VNNI), on every GEMV build this CPU runs (AVX2 forced on wider CPUs).
+
+The oracle is written out here: the integer product as an int64 matmul, the epilogue
+`(((acc + quant_bias) * scale) * s_t) + bias` in float32 in that order, cast last, and numerics'
+per-token quantizer (the kernel quantizes with its own C code). VPMADDUBSW's pair sums cannot
+saturate with the operands the kernel chooses, so every comparison is bit for bit; weights
+holding -128 (which VPSIGNB cannot negate) must stay off this path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_quant import numerics
+from ascend_quant.runtime.kernels import cpu
+from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend
+from ascend_quant.runtime.kernels.reference import ReferenceBackend
+from ascend_quant.schemes import PreparedLinear
+from conftest import rounding_boundaries
+
+ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu.cpu_isa()):-1])        # this CPU's widest down to avx2
+
+
+def _oracle(x_q, w, scale, *, s_t=None, qbias=None, bias=None, out_dtype=torch.float32):
+    acc = x_q.to(torch.int64) @ w.to(torch.int64).t()
+    if qbias is not None:
+        acc = acc + qbias.to(torch.int64)
+    assert acc.abs().max() < 2 ** 31
+    y = acc.to(torch.int32).to(torch.float32) * scale.float()
+    if s_t is not None:
+        y = y * s_t.float().reshape(-1, 1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+@pytest.fixture(params=[(isa, via) for isa in ISAS for via in ("op", "ctypes")], ids="-".join)
+def gemv(request, monkeypatch):
+    isa, via = request.param
+    monkeypatch.setenv(cpu.ISA_ENV, isa)
+    monkeypatch.setenv(cpu.OP_ENV, "1" if via == "op" else "0")
+    b = CpuBackend(gemm="gemv")
+    assert b.gemm == "gemv" and b.gemv_lib is not None, "the GEMV kernel did not build (a C compiler is needed)"
+    assert (b.int8_gemv_op is not None) == (via == "op"), cpu.native.WQ_OP.error
+    return b
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# k = 77: a padded 32-block; k = 4000: beyond every float path's exact range; m: register
+# tiles of 1 to 8 tokens, several tiles, a prefill-sized call; n = 38: not a multiple of 4 channels
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("k", [77, 4000])
+def test_int8_activations_are_exact(gemv, bits, k):
+    """Full-range operands (x_q -128 included; int8 weights -127..127, int4 -8..7): the integer
+    products exactly, then the epilogue with and without per-token scales, quant_bias and bias."""
+    g = torch.Generator().manual_seed(k + bits)
+    n, lo = 38, -127 if bits == 8 else -8
+    w = torch.randint(lo, -lo if bits == 8 else 8, (n, k), generator=g, dtype=torch.int8)
+    w[0], w[1] = lo, -lo if bits == 8 else 7
+    x_all = torch.randint(-128, 128, (300, k), generator=g, dtype=torch.int8)
+    x_all[0], x_all[1] = -128, 127
+    ones = gemv.prepare_int8(w, torch.ones(n), bits=bits)
+    assert ones.gemv is not None and ones.weight_t is None and ones.bits == bits
+    scale = torch.rand(n, generator=g) * 0.01
+    prep = gemv.prepare_int8(w, scale, bits=bits)
+    for m in (1, 2, 3, 4, 5, 9, 17, cpu.GEMV_MAX_M, 300):   # 300: the float32 GEMMs of prefill
+        x_q = x_all[:m]
+        assert torch.equal(gemv.int8_matmul(x_q, ones).double(), (x_q.double() @ w.double().t()))
+        s_t = torch.rand(m, 1, generator=g)
+        qbias = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
+        bias = torch.randn(n, generator=g)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            for kw in (dict(pertoken_scale=s_t, bias=bias), dict(quant_bias=qbias), dict(pertoken_scale=s_t)):
+                got = gemv.int8_matmul(x_q, prep, out_dtype=out_dtype, **kw)
+                want = _oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
+                               bias=kw.get("bias"), out_dtype=out_dtype)
+                assert got.dtype == out_dtype and torch.equal(got, want), (m, out_dtype, list(kw))
+
+
+def test_minus_128_stays_off_the_kernel(gemv):
+    """An int8 weight holding -128 cannot take VPSIGNB's sign trick: it is kept for the exact
+    float32 GEMMs instead, and the result is still exact."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-128, 128, (20, 64), generator=g, dtype=torch.int8)
+    w[2, 5] = -128
+    prep = gemv.prepare_int8(w, torch.ones(20))
+    assert prep.gemv is None and prep.weight_t is not None
+    x_q = torch.randint(-128, 128, (3, 64), generator=g, dtype=torch.int8)
+    assert torch.equal(gemv.int8_matmul(x_q, prep).double(), x_q.double() @ w.double().t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_inside_the_call(gemv, dtype, bits):
+    """Float activations quantized per token inside the call: numerics' quantizer bit for bit
+    (rows on x / s_t rounding boundaries, an all-zero row), then the exact product and epilogue;
+    3-D input keeps its leading shape."""
+    x = rounding_boundaries(40, 1).to(dtype)
+    x[3] = 0
+    n, k = 70, x.shape[1]
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) if bits == 8 else \
+        torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    bias = torch.randn(n, generator=g)
+    prep = gemv.prepare_int8(w, scale, bits=bits)
+    x_q, s_t = numerics.quantize_activation_dynamic(x)
+    want = _oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=dtype)
+    got = gemv.int8_matmul_dynamic(x, prep, bias=bias)
+    assert got.dtype == dtype and torch.equal(got, want)
+    got3 = gemv.int8_matmul_dynamic(x.reshape(4, 10, k), prep, bias=bias)
+    assert got3.shape == (4, 10, n) and torch.equal(got3.reshape(40, n), want)
+
+
+def test_two_threads_give_one_threads_result(gemv):
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 40, 1030, 576       # the kernel (at most GEMV_MAX_M tokens), its OpenMP loop
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    prep = gemv.prepare_int8(w, scale)
+    torch.set_num_threads(1)
+    one = gemv.int8_matmul_dynamic(x, prep)
+    torch.set_num_threads(2)
+    two = gemv.int8_matmul_dynamic(x, prep)
+    x_q, s_t = numerics.quantize_activation_dynamic(x)
+    assert torch.equal(one, _oracle(x_q, w, scale, s_t=s_t, out_dtype=torch.bfloat16)) and torch.equal(two, one)
+
+
+def _scheme_tensors(scheme: str, g: torch.Generator, n: int, k: int) -> dict:
+    w = torch.randn(n, k, generator=g)
+    if scheme == "W8A8":
+        w_q, s = numerics.quantize_weight(w, 8)
+        s_x, o_x = torch.tensor([0.02]), torch.tensor([3.0])
+        return {"weight": w_q, "input_scale": s_x, "input_offset": o_x,
+                "deq_scale": numerics.encode_deq_scale(s.float().reshape(-1) * s_x, torch.bfloat16),
+                "quant_bias": torch.randint(-300, 300, (n,), generator=g, dtype=torch.int32)}
+    w_q, s = numerics.quantize_weight(w, 4 if scheme == "W4A8_DYNAMIC" else 8)
+    return {"weight": numerics.pack_int4(w_q) if scheme == "W4A8_DYNAMIC" else w_q, "weight_scale": s.float(),
+            "weight_offset": torch.zeros_like(s)}
+
+
+@pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC", "W8A8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_schemes_equal_the_reference_and_trace(gemv, scheme, dtype):
+    """The three int8-activation schemes on the integer GEMV equal the reference backend bit for
+    bit. With the operator, the dynamic ones are traceable (one operator per Linear, the quantizer
+    inside): a fullgraph dynamic torch.compile gives the eager outputs for 1 to 70 tokens. Static
+    W8A8 is not (inductor would fuse its quantizer's multiply-add), nor anything through ctypes."""
+    g = torch.Generator().manual_seed(len(scheme))
+    n, k = 40, 754
+    t = _scheme_tensors(scheme, g, n, k)
+    pl = PreparedLinear.build(scheme, t, backend=gemv, dtype=dtype)
+    ref = PreparedLinear.build(scheme, t, backend=ReferenceBackend(), dtype=dtype)
+    gemv.finalize_linear(pl, dtype, scheme != "W8A8")
+    assert pl.prepared.gemv is not None
+    traced = scheme != "W8A8" and gemv.int8_gemv_op is not None
+    assert gemv.traceable(pl) == traced
+    bias = None if scheme == "W8A8" else torch.randn(n, generator=g).to(dtype)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: pl(x, bias), fullgraph=True, dynamic=True) if traced else None
+    for m in (1, 7, 33, 70):
+        x = rounding_boundaries(m, seed=m)[:, :k].to(dtype)
+        eager = pl(x, bias)
+        assert torch.equal(eager, ref(x, bias)), (m, scheme)
+        if traced:
+            assert torch.equal(compiled(x), eager), (m, scheme)
+
+
+def test_gemm_switch(monkeypatch):
+    """`gemv` is the default int8 GEMM where neither AMX-INT8 nor VNNI runs; forced, it runs on any
+    CPU with a GEMV build; with the GEMV off it is refused in one line when forced, and the
+    default falls back to the float32 GEMMs."""
+    monkeypatch.delenv(GEMM_ENV, raising=False)
+    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu, "cpu_has_vnni", lambda: False)
+    monkeypatch.setattr(cpu, "cpu_has_amx_int8", lambda: False)
+    assert cpu.default_gemm() == "gemv" and CpuBackend().gemm == "gemv"
+    monkeypatch.setenv(cpu.ISA_ENV, "off")
+    assert cpu.default_gemm() == "f32" and CpuBackend().gemm == "f32"
+    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_GEMM=gemv needs the GEMV library"):
+        CpuBackend(gemm="gemv")
