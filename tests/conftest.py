@@ -61,3 +61,38 @@ def rounding_boundaries(rows: int, seed: int) -> torch.Tensor:
     s = amax / 127
     mid = (torch.arange(-127, 127).float() + 0.5) * s
     return torch.cat([amax, mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)], 1)
+
+
+def int8_oracle(x_q, w, scale, *, s_t=None, qbias=None, bias=None, out_dtype=torch.float32):
+    """The int8 Linear written out for the CPU kernels' tests (no runtime code): the integer
+    product as an int64 matmul, the epilogue `(((acc + quant_bias) * scale) * s_t) + bias` in
+    float32 in that order, cast last."""
+    acc = x_q.to(torch.int64) @ w.to(torch.int64).t()
+    if qbias is not None:
+        acc = acc + qbias.to(torch.int64)
+    assert acc.abs().max() < 2 ** 31
+    y = acc.to(torch.int32).to(torch.float32) * scale.float()
+    if s_t is not None:
+        y = y * s_t.float().reshape(-1, 1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def int8_scheme_tensors(scheme: str, g: torch.Generator, n: int, k: int) -> dict:
+    """A Linear's checkpoint tensors of an int8-activation scheme (W8A8 static, W8A8_DYNAMIC,
+    per-channel W4A8_DYNAMIC) from random weights."""
+    from ascend_quant import numerics
+
+    w = torch.randn(n, k, generator=g)
+    if scheme == "W8A8":
+        w_q, s = numerics.quantize_weight(w, 8)
+        s_x = torch.tensor([0.02])
+        o_x = torch.tensor([3.0])
+        deq = (s.float().reshape(-1) * s_x)
+        return {"weight": w_q, "input_scale": s_x, "input_offset": o_x,
+                "deq_scale": numerics.encode_deq_scale(deq, torch.bfloat16),
+                "quant_bias": torch.randint(-300, 300, (n,), generator=g, dtype=torch.int32)}
+    w_q, s = numerics.quantize_weight(w, 4 if scheme == "W4A8_DYNAMIC" else 8)
+    return {"weight": numerics.pack_int4(w_q) if scheme == "W4A8_DYNAMIC" else w_q, "weight_scale": s.float(),
+            "weight_offset": torch.zeros_like(s)}

@@ -19,22 +19,9 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMM_ENV, AmxInt8Weight, CpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
-from conftest import rounding_boundaries
+from conftest import int8_oracle, int8_scheme_tensors, rounding_boundaries
 
 HAS_AMX = cpu.cpu_has_amx_int8() and cpu.cpu_isa() == "amx"
-
-
-def _oracle(x_q, w, scale, *, s_t=None, qbias=None, bias=None, out_dtype=torch.float32):
-    acc = x_q.to(torch.int64) @ w.to(torch.int64).t()
-    if qbias is not None:
-        acc = acc + qbias.to(torch.int64)
-    assert acc.abs().max() < 2 ** 31
-    y = acc.to(torch.int32).to(torch.float32) * scale.float()
-    if s_t is not None:
-        y = y * s_t.float().reshape(-1, 1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
 
 
 @pytest.fixture
@@ -90,7 +77,7 @@ def test_int8_activations_are_exact(amx, n, k, m):
     for out_dtype in (torch.float32, torch.bfloat16):
         for kw in (dict(pertoken_scale=s_t, bias=bias), dict(quant_bias=qbias), dict(pertoken_scale=s_t)):
             got = amx.int8_matmul(x_q, prep, out_dtype=out_dtype, **kw)
-            want = _oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
+            want = int8_oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
                            bias=kw.get("bias"), out_dtype=out_dtype)
             assert got.dtype == out_dtype and torch.equal(got, want), (out_dtype, list(kw))
 
@@ -113,7 +100,7 @@ def test_quantized_inside_the_call(amx, dtype, k_tail):
     bias = torch.randn(n, generator=g)
     prep = amx.prepare_int8(w, scale)
     x_q, s_t = numerics.quantize_activation_dynamic(x)
-    want = _oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=dtype)
+    want = int8_oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=dtype)
     got = amx.int8_matmul_dynamic(x, prep, bias=bias)
     assert got.dtype == dtype and torch.equal(got, want)
     got3 = amx.int8_matmul_dynamic(x.reshape(4, 10, k), prep, bias=bias)
@@ -141,22 +128,7 @@ def test_large_batches_and_two_threads(amx, dtype):
     finally:
         torch.set_num_threads(before)
     x_q, s_t = numerics.quantize_activation_dynamic(x)
-    assert torch.equal(one, _oracle(x_q, w, scale, s_t=s_t, out_dtype=dtype)) and torch.equal(two, one)
-
-
-def _scheme_tensors(scheme: str, g: torch.Generator, n: int, k: int) -> dict:
-    w = torch.randn(n, k, generator=g)
-    if scheme == "W8A8":
-        w_q, s = numerics.quantize_weight(w, 8)
-        s_x = torch.tensor([0.02])
-        o_x = torch.tensor([3.0])
-        deq = (s.float().reshape(-1) * s_x)
-        return {"weight": w_q, "input_scale": s_x, "input_offset": o_x,
-                "deq_scale": numerics.encode_deq_scale(deq, torch.bfloat16),
-                "quant_bias": torch.randint(-300, 300, (n,), generator=g, dtype=torch.int32)}
-    w_q, s = numerics.quantize_weight(w, 4 if scheme == "W4A8_DYNAMIC" else 8)
-    return {"weight": numerics.pack_int4(w_q) if scheme == "W4A8_DYNAMIC" else w_q, "weight_scale": s.float(),
-            "weight_offset": torch.zeros_like(s)}
+    assert torch.equal(one, int8_oracle(x_q, w, scale, s_t=s_t, out_dtype=dtype)) and torch.equal(two, one)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC", "W8A8"])
@@ -170,7 +142,7 @@ def test_schemes_equal_the_reference_and_trace(amx, scheme, dtype):
         return
     g = torch.Generator().manual_seed(len(scheme))
     n, k = 40, 754
-    t = _scheme_tensors(scheme, g, n, k)
+    t = int8_scheme_tensors(scheme, g, n, k)
     pl = PreparedLinear.build(scheme, t, backend=amx, dtype=dtype)
     ref = PreparedLinear.build(scheme, t, backend=ReferenceBackend(), dtype=dtype)
     amx.finalize_linear(pl, dtype, scheme != "W8A8")

@@ -18,22 +18,9 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
-from conftest import rounding_boundaries
+from conftest import int8_oracle, int8_scheme_tensors, rounding_boundaries
 
 ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu.cpu_isa()):-1])        # this CPU's widest down to avx2
-
-
-def _oracle(x_q, w, scale, *, s_t=None, qbias=None, bias=None, out_dtype=torch.float32):
-    acc = x_q.to(torch.int64) @ w.to(torch.int64).t()
-    if qbias is not None:
-        acc = acc + qbias.to(torch.int64)
-    assert acc.abs().max() < 2 ** 31
-    y = acc.to(torch.int32).to(torch.float32) * scale.float()
-    if s_t is not None:
-        y = y * s_t.float().reshape(-1, 1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
 
 
 @pytest.fixture(params=[(isa, via) for isa in ISAS for via in ("op", "ctypes")], ids="-".join)
@@ -81,7 +68,7 @@ def test_int8_activations_are_exact(gemv, bits, k):
         for out_dtype in (torch.float32, torch.bfloat16):
             for kw in (dict(pertoken_scale=s_t, bias=bias), dict(quant_bias=qbias), dict(pertoken_scale=s_t)):
                 got = gemv.int8_matmul(x_q, prep, out_dtype=out_dtype, **kw)
-                want = _oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
+                want = int8_oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
                                bias=kw.get("bias"), out_dtype=out_dtype)
                 assert got.dtype == out_dtype and torch.equal(got, want), (m, out_dtype, list(kw))
 
@@ -114,7 +101,7 @@ def test_quantized_inside_the_call(gemv, dtype, bits):
     bias = torch.randn(n, generator=g)
     prep = gemv.prepare_int8(w, scale, bits=bits)
     x_q, s_t = numerics.quantize_activation_dynamic(x)
-    want = _oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=dtype)
+    want = int8_oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=dtype)
     got = gemv.int8_matmul_dynamic(x, prep, bias=bias)
     assert got.dtype == dtype and torch.equal(got, want)
     got3 = gemv.int8_matmul_dynamic(x.reshape(4, 10, k), prep, bias=bias)
@@ -133,20 +120,7 @@ def test_two_threads_give_one_threads_result(gemv):
     torch.set_num_threads(2)
     two = gemv.int8_matmul_dynamic(x, prep)
     x_q, s_t = numerics.quantize_activation_dynamic(x)
-    assert torch.equal(one, _oracle(x_q, w, scale, s_t=s_t, out_dtype=torch.bfloat16)) and torch.equal(two, one)
-
-
-def _scheme_tensors(scheme: str, g: torch.Generator, n: int, k: int) -> dict:
-    w = torch.randn(n, k, generator=g)
-    if scheme == "W8A8":
-        w_q, s = numerics.quantize_weight(w, 8)
-        s_x, o_x = torch.tensor([0.02]), torch.tensor([3.0])
-        return {"weight": w_q, "input_scale": s_x, "input_offset": o_x,
-                "deq_scale": numerics.encode_deq_scale(s.float().reshape(-1) * s_x, torch.bfloat16),
-                "quant_bias": torch.randint(-300, 300, (n,), generator=g, dtype=torch.int32)}
-    w_q, s = numerics.quantize_weight(w, 4 if scheme == "W4A8_DYNAMIC" else 8)
-    return {"weight": numerics.pack_int4(w_q) if scheme == "W4A8_DYNAMIC" else w_q, "weight_scale": s.float(),
-            "weight_offset": torch.zeros_like(s)}
+    assert torch.equal(one, int8_oracle(x_q, w, scale, s_t=s_t, out_dtype=torch.bfloat16)) and torch.equal(two, one)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC", "W8A8"])
@@ -158,7 +132,7 @@ def test_schemes_equal_the_reference_and_trace(gemv, scheme, dtype):
     W8A8 is not (inductor would fuse its quantizer's multiply-add), nor anything through ctypes."""
     g = torch.Generator().manual_seed(len(scheme))
     n, k = 40, 754
-    t = _scheme_tensors(scheme, g, n, k)
+    t = int8_scheme_tensors(scheme, g, n, k)
     pl = PreparedLinear.build(scheme, t, backend=gemv, dtype=dtype)
     ref = PreparedLinear.build(scheme, t, backend=ReferenceBackend(), dtype=dtype)
     gemv.finalize_linear(pl, dtype, scheme != "W8A8")
@@ -189,3 +163,28 @@ def test_gemm_switch(monkeypatch):
     assert cpu.default_gemm() == "f32" and CpuBackend().gemm == "f32"
     with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_GEMM=gemv needs the GEMV library"):
         CpuBackend(gemm="gemv")
+
+
+@pytest.mark.parametrize("k", [256, 200])
+def test_per_group_sums_are_exact(gemv, k):
+    """Two-stage per-group W4A8's weights (int4 in groups of 64; k = 200 in groups of 8, each
+    padded to 32 in the layout) with power-of-two group scales: the int32 sum of each group
+    times its scale, summed in float32, is exact here, so the kernel equals an int64 oracle bit for
+    bit, 1 to 9 tokens."""
+    g = torch.Generator().manual_seed(k)
+    n, gs = 38, 8 if k == 200 else 64
+    w4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    w4[0] = -8
+    scale = 2.0 ** torch.randint(-1, 3, (n, k // gs), generator=g).float()
+    prep = gemv.prepare_weight_only(w4, scale, None, 4)
+    assert prep.gemv is not None and prep.gemv.scale.shape == (n, k // gs)
+    x_q = torch.randint(-128, 128, (9, k), generator=g, dtype=torch.int8)
+    x_q[0] = -128
+    want = x_q.double() @ (w4.double() * scale.double().repeat_interleave(gs, 1)).t()
+    for m in (1, 2, 3, 5, 9):
+        if gemv.int8_gemv_op is not None:
+            got = gemv.int8_gemv_op(x_q[:m], None, prep.gemv.q, prep.gemv.scale, None, None, cpu.ISAS.index(gemv.isa),
+                                    4, cpu.GEMV_MAX_M, torch.float32)
+        else:
+            got = gemv._int8_gemv(x_q[:m], prep.gemv, prep.gemv.scale, None, None, None, torch.float32)
+        assert torch.equal(got.double(), want[:m]), m

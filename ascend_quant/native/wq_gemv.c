@@ -538,15 +538,15 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
  * stride ldy, dtype ydt (0 float32, 1 bfloat16). offset, bias, pertoken may be NULL.
  * Returns through y only; a failed allocation leaves y untouched and sets *status = 1. */
 void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
-                  const void *w, int bits, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
-                  const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status);
+                  const void *w, int bits, int64_t n, int64_t groups, int64_t gp, const float *scale,
+                  const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status);
 
 void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
              const void *w, int bits, int64_t n, int64_t groups, int64_t gsz, int64_t gp,
              const float *scale, const float *offset, const float *bias, const float *pertoken,
              int mode, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
     if (mode == 1 && groups == 1) {     /* per-channel int8 activations: in integers (wq_int8_gemv) */
-        wq_int8_gemv(x, xdt, m, k, ldx, pertoken, w, bits, n, gp, scale, NULL, bias, y, ydt, ldy, nthreads, status);
+        wq_int8_gemv(x, xdt, m, k, ldx, pertoken, w, bits, n, 1, gp, scale, NULL, bias, y, ydt, ldy, nthreads, status);
         return;
     }
 #if HAVE_AMX
@@ -813,21 +813,25 @@ void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t 
 }
 
 /* The int8-activation Linear in integers, on AVX2 instructions in every build: the int8 GEMM of
- * CPUs without VNNI (`ASCEND_QUANT_CPU_GEMM=gemv`) and mode 1 of wq_gemv. Weights in the GEMV
- * layout above, per channel (one group of kp values a row, kp a multiple of 32):
+ * CPUs without VNNI (`ASCEND_QUANT_CPU_GEMM=gemv`), mode 1 of wq_gemv, and two-stage per-group
+ * W4A8 everywhere. Weights in the GEMV layout above (`groups` groups of gp values a row, gp a
+ * multiple of 32). Per channel (groups = 1):
  *
  *     y[t, j] = (((acc[t, j] + qbias[j]) * scale[j]) * s_t[t]) + bias[j],  acc = x_q @ w^T (int32)
  *
  * the reference's epilogue in its order, float32, cast to y's dtype last; x as wq_int8_linear
  * takes it (int8 with `pertoken` or none, or float32 / bfloat16 quantized here by quant_row).
+ * Per group (groups > 1, no qbias): the exact int32 sums of each group, converted per vector lane
+ * and multiplied by the group's scale into float32 lanes (the float path's order: lanes, then
+ * their sum), then * s_t[t] + bias[j].
  * VPMADDUBSW multiplies 32 unsigned by 32 signed bytes into 16 int16 pair sums, VPMADDWD by
  * ones widens them to int32. The operands are chosen so that no pair sum saturates (|sum| < 2^15):
- *   int4: unsigned = the weight + 8 (0..15: the nibble XOR 8), signed = x_q: pairs at most
- *         2 * 15 * 128; the 8 * sum(x_q) this adds is subtracted per token at the end.
- *   int8: unsigned = |x_q| (at most 128), signed = w with x_q's sign (VPSIGNB): pairs at most
- *         2 * 128 * 127. A weight of -128 would not negate, so cpu.py keeps such weights off
- *         this path.
- * Exact while kp * 128 * 128 < 2^31. Output channels in blocks of RB over the threads. */
+ *   int4, per channel: unsigned = the weight + 8 (0..15: the nibble XOR 8), signed = x_q: pairs
+ *         at most 2 * 15 * 128; the 8 * sum(x_q) this adds is subtracted per token at the end.
+ *   int8, and int4 per group: unsigned = |x_q| (at most 128), signed = w with x_q's sign
+ *         (VPSIGNB): pairs at most 2 * 128 * 127. A weight of -128 would not negate, so cpu.py
+ *         keeps such weights off this path.
+ * Exact while gp * 128 * 128 < 2^31. Output channels in blocks of RB over the threads. */
 static inline int32_t hsum_epi32(__m256i a) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -835,47 +839,77 @@ static inline int32_t hsum_epi32(__m256i a) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* R output channels x MT tokens of acc (int4: before the 8 * sum(x_q) correction): res[r * MT_MAX + t] */
-static inline __attribute__((always_inline)) void row_tile_int(
-        const int R, const int MT, const int BITS, const int8_t *xq, const uint8_t *xa, int64_t kp,
-        const uint8_t *wrow, int64_t row_bytes, int32_t *res) {
-    __m256i acc[RB][MT_MAX];
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-    const __m128i flip = _mm_set1_epi8((char)0x88);
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < MT; t++) acc[r][t] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < kp; i += 32) {
-        for (int r = 0; r < R; r++) {
-            __m256i w;
-            if (BITS == 4) {        /* 16 bytes: values i..i+15 in the low nibbles, i+16..i+31 in the high */
-                const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(wrow + r * row_bytes + i / 2)), flip);
-                w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);
-            } else {
-                w = _mm256_loadu_si256((const __m256i *)(wrow + r * row_bytes + i));
-            }
-            for (int t = 0; t < MT; t++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * kp + i));
-                const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(w, x)
-                                            : _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xa + t * kp + i)),
-                                                                   _mm256_sign_epi8(w, x));
-                acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(p, ones));
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < MT; t++) res[r * MT_MAX + t] = hsum_epi32(acc[r][t]);
+static inline float hsum_ps256(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
 }
 
-#define TILE_INT(R, M) { if (bits == 4) row_tile_int(R, M, 4, xq, xa, kp, wrow, row_bytes, res); \
-                         else row_tile_int(R, M, 8, xq, xa, kp, wrow, row_bytes, res); }
+/* R output channels x MT tokens. Per channel (G = 0): res[r * MT_MAX + t] holds acc as int32 bits
+ * (int4: before the 8 * sum(x_q) correction). Per group (G = 1): the scaled float32 sum. */
+static inline __attribute__((always_inline)) void row_tile_int(
+        const int R, const int MT, const int BITS, const int G, const int8_t *xq, const uint8_t *xa, int64_t ldb,
+        const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, float *res) {
+    __m256i acc[RB][MT_MAX];
+    __m256 tot[RB][MT_MAX];
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    const __m128i flip = _mm_set1_epi8((char)0x88);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) tot[r][t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < MT; t++) acc[r][t] = _mm256_setzero_si256();
+        for (int64_t i = g * gp; i < (g + 1) * gp; i += 32) {
+            for (int r = 0; r < R; r++) {
+                __m256i w;
+                if (BITS == 4) {    /* 16 bytes: values i..i+15 in the low nibbles, i+16..i+31 in the high */
+                    const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(wrow + r * row_bytes + i / 2)), flip);
+                    w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);     /* weight + 8 */
+                    if (G) w = _mm256_sub_epi8(w, eight);
+                } else {
+                    w = _mm256_loadu_si256((const __m256i *)(wrow + r * row_bytes + i));
+                }
+                for (int t = 0; t < MT; t++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * ldb + i));
+                    const __m256i p = BITS == 4 && !G
+                        ? _mm256_maddubs_epi16(w, x)
+                        : _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xa + t * ldb + i)), _mm256_sign_epi8(w, x));
+                    acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        if (G)
+            for (int r = 0; r < R; r++) {
+                const __m256 sc = _mm256_set1_ps(srow[r * groups + g]);
+                for (int t = 0; t < MT; t++) tot[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t]), sc, tot[r][t]);
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < MT; t++) {
+            if (G) {
+                res[r * MT_MAX + t] = hsum_ps256(tot[r][t]);
+            } else {
+                const int32_t a = hsum_epi32(acc[r][t]);
+                memcpy(&res[r * MT_MAX + t], &a, 4);
+            }
+        }
+}
 
-static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, const uint8_t *xa, int64_t kp,
-                           const uint8_t *wrow, int64_t row_bytes, int32_t *res) {
+#define TILE_INT(R, M) { if (groups > 1) row_tile_int(R, M, bits, 1, xq, xa, ldb, wrow, row_bytes, groups, gp, srow, res); \
+                         else if (bits == 4) row_tile_int(R, M, 4, 0, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); \
+                         else row_tile_int(R, M, 8, 0, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); }
+
+/* per group: at most 4 tokens a tile (int32 and float32 accumulators both live in registers) */
+static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, const uint8_t *xa, int64_t ldb,
+                           const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow,
+                           float *res) {
     if (mt == 1 && rows >= 4) { TILE_INT(4, 1) return 4; }
     if (mt <= 3 && rows >= 2) {
         switch (mt) { case 1: TILE_INT(2, 1) break; case 2: TILE_INT(2, 2) break; default: TILE_INT(2, 3) }
         return 2;
     }
+    if (groups > 1 && mt > 4) mt = 4;
     switch (mt) {
         case 1: TILE_INT(1, 1) break; case 2: TILE_INT(1, 2) break; case 3: TILE_INT(1, 3) break; case 4: TILE_INT(1, 4) break;
         case 5: TILE_INT(1, 5) break; case 6: TILE_INT(1, 6) break; case 7: TILE_INT(1, 7) break; default: TILE_INT(1, 8)
@@ -885,28 +919,39 @@ static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, const u
 #undef TILE_INT
 
 void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
-                  const void *w, int bits, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
-                  const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+                  const void *w, int bits, int64_t n, int64_t groups, int64_t gp, const float *scale,
+                  const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    const int64_t kp = groups * gp, gsz = k / groups;
+    const int grouped = groups > 1;
     const size_t xbytes = ((size_t)(m * kp) + 63) / 64 * 64;
     int8_t *xq = aligned_alloc(64, xbytes);
-    uint8_t *xa = bits == 8 ? aligned_alloc(64, xbytes) : NULL;      /* |x_q| */
+    const int need_abs = bits == 8 || grouped;
+    uint8_t *xa = need_abs ? aligned_alloc(64, xbytes) : NULL;      /* |x_q| */
     float *st = malloc((size_t)m * sizeof(float));
     int32_t *xs = malloc((size_t)m * sizeof(int32_t));               /* sum(x_q) per token */
-    if (!xq || (bits == 8 && !xa) || !st || !xs) { free(xq); free(xa); free(st); free(xs); *status = 1; return; }
+    int8_t *tmp = xdt != 2 && grouped ? malloc((size_t)(m * k)) : NULL;   /* x_q before the group padding */
+    if (!xq || (need_abs && !xa) || !st || !xs || (xdt != 2 && grouped && !tmp)) {
+        free(xq); free(xa); free(st); free(xs); free(tmp); *status = 1; return;
+    }
     const int esz = xdt == 0 ? 4 : xdt == 1 ? 2 : 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k >= (1 << 15))
     for (int64_t t = 0; t < m; t++) {
         int8_t *row = xq + t * kp;
         const char *src = (const char *)x + t * ldx * esz;
+        const int8_t *q = (const int8_t *)src;
         if (xdt == 2) {
-            memcpy(row, src, (size_t)k);
             st[t] = pertoken ? pertoken[t] : 1.f;
         } else {
-            st[t] = quant_row(src, xdt, k, row);
+            int8_t *dst = grouped ? tmp + t * k : row;
+            st[t] = quant_row(src, xdt, k, dst);
+            q = dst;
         }
-        memset(row + k, 0, (size_t)(kp - k));
+        for (int64_t g = 0; g < groups; g++) {        /* each group's gsz values, then zeros up to gp */
+            if (q != row || g) memmove(row + g * gp, q + g * gsz, (size_t)gsz);
+            memset(row + g * gp + gsz, 0, (size_t)(gp - gsz));
+        }
         int32_t s = 0;
-        for (int64_t i = 0; i < k; i++) s += row[i];
+        for (int64_t i = 0; i < kp; i++) s += row[i];
         xs[t] = s;
         if (xa)
             for (int64_t i = 0; i < kp; i++) xa[t * kp + i] = (uint8_t)(row[i] < 0 ? -row[i] : row[i]);
@@ -916,19 +961,29 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n * kp * (m < 4 ? m : 4) >= (1 << 16))
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t j0 = b * RB, j1 = j0 + RB < n ? j0 + RB : n;
-        int32_t res[RB * MT_MAX];
-        for (int64_t t0 = 0; t0 < m; t0 += MT_MAX) {
+        float res[RB * MT_MAX];
+        for (int64_t t0 = 0; t0 < m;) {
             const int mt = m - t0 < MT_MAX ? (int)(m - t0) : MT_MAX;
+            int mdone = mt;
             for (int64_t jr = j0; jr < j1;) {
                 const int done = tile_int((int)(j1 - jr), mt, bits, xq + t0 * kp, xa ? xa + t0 * kp : NULL, kp,
-                                          (const uint8_t *)w + jr * row_bytes, row_bytes, res);
+                                          (const uint8_t *)w + jr * row_bytes, row_bytes, groups, gp,
+                                          scale + jr * groups, res);
+                const int tdone = grouped && mt > 4 && done == 1 ? 4 : mt;     /* tile_int's token cap */
+                mdone = tdone;
                 for (int r = 0; r < done; r++) {
                     const int64_t j = jr + r;
-                    for (int t = 0; t < mt; t++) {
-                        int32_t a = res[r * MT_MAX + t];
-                        if (bits == 4) a -= 8 * xs[t0 + t];
-                        if (qbias) a += qbias[j];
-                        float v = (float)a * scale[j];
+                    for (int t = 0; t < tdone; t++) {
+                        float v;
+                        if (grouped) {
+                            v = res[r * MT_MAX + t];
+                        } else {
+                            int32_t a;
+                            memcpy(&a, &res[r * MT_MAX + t], 4);
+                            if (bits == 4) a -= 8 * xs[t0 + t];
+                            if (qbias) a += qbias[j];
+                            v = (float)a * scale[j];
+                        }
                         if (use_st) v = v * st[t0 + t];
                         if (bias) v = v + bias[j];
                         store_y(y, ydt, (t0 + t) * ldy + j, v);
@@ -936,12 +991,14 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
                 }
                 jr += done;
             }
+            t0 += mdone;
         }
     }
     free(xq);
     free(xa);
     free(st);
     free(xs);
+    free(tmp);
 }
 
 /* The int8 x int8 Linear on AMX-INT8 tiles (the `amx` build with -mamx-int8):

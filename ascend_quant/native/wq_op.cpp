@@ -145,7 +145,7 @@ at::Tensor int8_linear(const at::Tensor &x, const c10::optional<at::Tensor> &per
 }
 
 using int8_gemv_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
-                             const void *w, int bits, int64_t n, int64_t kp, const float *scale,
+                             const void *w, int bits, int64_t n, int64_t groups, int64_t gp, const float *scale,
                              const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads,
                              int *status);
 using quant_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *scale,
@@ -154,11 +154,14 @@ int8_gemv_fn g_int8_gemv[kSlots] = {};
 quant_fn g_quant[kSlots] = {};
 
 // The same Linear on the integer GEMV (wq_gemv.c: wq_int8_gemv, any build: AVX2 instructions) for
-// weights in the GEMV layout (runtime/kernels/cpu.py: GemvWeight, per channel): q int8 [n, kp]
-// or int4 pairs [n, kp / 2]. The arguments and outputs as int8_linear's. More than max_m tokens
-// (prefill): the exact float32 GEMMs over k-chunks of 1024 (reference.exact_int8_matmul's
-// algorithm: ATen's mm on x_q and wq_dequant's integer values, every partial sum an integer below
-// 2^24), then the reference's epilogue in ATen ops, in its order.
+// weights in the GEMV layout (runtime/kernels/cpu.py: GemvWeight): q int8 [n, kp] or int4 pairs
+// [n, kp / 2], scale float32 [n] (per channel) or [n, groups] (two-stage per-group W4A8: the group
+// scales multiply each group's int32 sums; no quant_bias). The arguments and outputs as
+// int8_linear's. More than max_m tokens (prefill): per channel, the exact float32 GEMMs over
+// k-chunks of 1024 (reference.exact_int8_matmul's algorithm: ATen's mm on x_q and wq_dequant's
+// integer values, every partial sum an integer below 2^24) and the reference's epilogue in ATen
+// ops, in its order; per group, x_q times the dequantized weight (whole groups per chunk), then
+// * s_t + bias, the reference's two-stage formula.
 at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor> &pertoken, const at::Tensor &q,
                             const at::Tensor &scale, const c10::optional<at::Tensor> &quant_bias,
                             const c10::optional<at::Tensor> &bias, int64_t isa, int64_t bits, int64_t max_m,
@@ -166,10 +169,13 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
     TORCH_CHECK(isa >= 0 && isa < kSlots && g_int8_gemv[isa] && g_quant[isa] && g_dequant[isa],
                 "ascend_quant_cpu::int8_gemv_linear: the GEMV build ", isa, " is not loaded in this process");
     const int64_t k = x.size(-1), n = q.size(0), kp = q.size(1) * (bits == 4 ? 2 : 1);
-    TORCH_CHECK(q.dtype() == at::kChar && q.is_contiguous() && (bits == 4 || bits == 8) && kp % 32 == 0 && kp >= k
-                && kp - k < 32, "ascend_quant_cpu::int8_gemv_linear: the weight does not hold ", k, " in-features");
-    TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
-                "ascend_quant_cpu::int8_gemv_linear: scale must be contiguous float32 [n]");
+    const int64_t groups = n > 0 ? scale.numel() / n : 1, gsz = k / groups, gp = kp / groups;
+    TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous() && scale.numel() == n * groups && groups >= 1
+                && k % groups == 0, "ascend_quant_cpu::int8_gemv_linear: scale must be contiguous float32 [n, groups]");
+    TORCH_CHECK(q.dtype() == at::kChar && q.is_contiguous() && (bits == 4 || bits == 8) && kp % groups == 0
+                && gp % 32 == 0 && gp >= gsz && gp - gsz < 32,
+                "ascend_quant_cpu::int8_gemv_linear: the weight does not hold ", k, " in-features");
+    TORCH_CHECK(groups == 1 || !quant_bias.has_value(), "ascend_quant_cpu::int8_gemv_linear: quant_bias is per channel");
     at::Tensor x2 = x.reshape({-1, k});
     const bool int8_in = x2.scalar_type() == at::kChar;
     if (!int8_in && x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
@@ -195,7 +201,23 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
         } else if (pt.has_value()) {
             st = pt->reshape({-1, 1});
         }
-        const at::Tensor xf = xq.to(at::kFloat), ones = at::ones({n, 1}, scale.options());
+        const at::Tensor xf = xq.to(at::kFloat);
+        if (groups > 1) {
+            const int64_t step = std::max(gsz, kChunk / gsz * gsz);
+            at::Tensor w = at::empty({n, std::min(step, k)}, xf.options()), yf;
+            for (int64_t start = 0; start < k; start += step) {
+                const int64_t end = std::min(start + step, k);
+                at::Tensor wc = w.narrow(1, 0, end - start);
+                g_dequant[isa](q.data_ptr(), (int)bits, n, groups, gsz, gp, scale.data_ptr<float>(), nullptr, start,
+                               end, wc.data_ptr<float>(), w.stride(0), at::get_num_threads());
+                at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t());
+                yf = start == 0 ? part : yf.add_(part);
+            }
+            if (st.defined()) yf.mul_(st);
+            if (b.has_value()) yf.add_(*b);
+            return yf.to(want).view(shape);
+        }
+        const at::Tensor ones = at::ones({n, 1}, scale.options());
         at::Tensor w = at::empty({n, std::min(kChunk, k)}, xf.options()), acc;
         for (int64_t start = 0; start < k; start += kChunk) {
             const int64_t end = std::min(start + kChunk, k);
@@ -213,7 +235,7 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
     }
     int status = 0;
     g_int8_gemv[isa](x2.data_ptr(), int8_in ? 2 : x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
-                     pt.has_value() ? pt->data_ptr<float>() : nullptr, q.data_ptr(), (int)bits, n, kp,
+                     pt.has_value() ? pt->data_ptr<float>() : nullptr, q.data_ptr(), (int)bits, n, groups, gp,
                      scale.data_ptr<float>(), qb.has_value() ? qb->data_ptr<int32_t>() : nullptr, opt_ptr(b),
                      y.data_ptr(), bf16_out ? 1 : 0, n, at::get_num_threads(), &status);
     TORCH_CHECK(status == 0, "ascend_quant_cpu::int8_gemv_linear: could not allocate its activation buffer");

@@ -137,11 +137,7 @@ class W4A8Dynamic(Scheme):
             return b.weight_only_matmul(x, linear.prepared, bias=bias)
         if not linear.extra["per_group"]:
             return b.int8_matmul_dynamic(x, linear.prepared, bias=bias, out_dtype=x.dtype)
-        x_q, s_t = b.quantize_dynamic(x)
-        y = b.weight_only_matmul(x_q.float(), linear.prepared, out_dtype=torch.float32) * s_t.float()
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
+        return b.grouped_int8_matmul_dynamic(x, linear.prepared, bias=bias, out_dtype=x.dtype)
 
 
 SCHEME = W4A8Dynamic()

@@ -564,8 +564,9 @@ class CpuBackend(ReferenceBackend):
             if forced:
                 raise ValueError(f"{GEMM_ENV}=gemv needs the GEMV library ({ISA_ENV} not off, a C compiler)")
             gemm = "f32"
-        # the integer GEMV's operator (None: called through ctypes, or another GEMM)
-        self.int8_gemv_op = _int8_gemv_op(self.isa, self.gemv_lib) if gemm == "gemv" else None
+        # the integer GEMV's operator: the "gemv" GEMM and two-stage per-group W4A8 on every GEMM
+        # (None: called through ctypes)
+        self.int8_gemv_op = _int8_gemv_op(self.isa, self.gemv_lib)
         self.gemm = gemm
         self.use_onednn = gemm == "onednn"
 
@@ -636,18 +637,18 @@ class CpuBackend(ReferenceBackend):
         weight_t = numerics.pack_int4(weight.t().contiguous()) if packed else weight.t().contiguous()
         return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
 
-    def _int8_gemv(self, x2, w: CpuInt8Weight, pertoken, quant_bias, bias, out_dtype):
-        """`wq_int8_gemv` through ctypes (`ASCEND_QUANT_CPU_OP=0`) on x_q [m, k], contiguous int8."""
-        g = w.gemv
+    def _int8_gemv(self, x2, g: GemvWeight, scale, pertoken, quant_bias, bias, out_dtype):
+        """`wq_int8_gemv` through ctypes (`ASCEND_QUANT_CPU_OP=0`) on x_q [m, k], contiguous int8;
+        scale float32 [n] (per channel) or g.scale [n, groups]."""
         m = x2.shape[0]
-        y = torch.empty((m, w.n), dtype=out_dtype if out_dtype in _YDT else torch.float32)
+        y = torch.empty((m, g.n), dtype=out_dtype if out_dtype in _YDT else torch.float32)
         f = lambda t, dt: None if t is None else t.to(dt).reshape(-1).contiguous()  # noqa: E731
         pt, qb, b = f(pertoken, torch.float32), f(quant_bias, torch.int32), f(bias, torch.float32)
         status = ctypes.c_int(0)
         self.gemv_lib.wq_int8_gemv(x2.data_ptr(), _XDT[x2.dtype], m, g.k, x2.stride(0),
-                                   None if pt is None else pt.data_ptr(), g.q.data_ptr(), g.bits, w.n, g.gp,
-                                   w.scale.data_ptr(), None if qb is None else qb.data_ptr(),
-                                   None if b is None else b.data_ptr(), y.data_ptr(), _YDT.get(y.dtype, 0), w.n,
+                                   None if pt is None else pt.data_ptr(), g.q.data_ptr(), g.bits, g.n,
+                                   g.scale.shape[1], g.gp, scale.data_ptr(), None if qb is None else qb.data_ptr(),
+                                   None if b is None else b.data_ptr(), y.data_ptr(), _YDT.get(y.dtype, 0), g.n,
                                    torch.get_num_threads(), ctypes.byref(status))
         if status.value:
             raise MemoryError("wq_int8_gemv: could not allocate its activation buffer")
@@ -656,13 +657,13 @@ class CpuBackend(ReferenceBackend):
     def int8_matmul(self, x_q, w, *, pertoken_scale=None, quant_bias=None, bias=None, out_dtype=torch.float32):
         if w.amx is not None:
             return self.int8_op(x_q, pertoken_scale, w.amx.wp, w.scale, quant_bias, bias, w.n, out_dtype)
-        if w.gemv is not None and w.onednn is None and self.int8_gemv_op is not None:
+        if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None:
             return self.int8_gemv_op(x_q, pertoken_scale, w.gemv.q, w.scale, quant_bias, bias, ISAS.index(self.isa),
                                      w.gemv.bits, GEMV_MAX_M, out_dtype)
         lead = x_q.shape[:-1]
         x2 = x_q if x_q.dim() == 2 and x_q.is_contiguous() else x_q.reshape(-1, x_q.shape[-1]).contiguous()
         if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and x2.shape[0] <= GEMV_MAX_M:
-            return self._int8_gemv(x2, w, pertoken_scale, quant_bias, bias, out_dtype).reshape(*lead, -1)
+            return self._int8_gemv(x2, w.gemv, w.scale, pertoken_scale, quant_bias, bias, out_dtype).reshape(*lead, -1)
         # oneDNN first where it runs: with VNNI it beat the float-lane GEMV on int4 weights at
         # every token count measured (1 to 16)
         if (w.gemv is not None and w.onednn is None and x2.shape[0] <= GEMV_MAX_M and quant_bias is None
@@ -711,11 +712,28 @@ class CpuBackend(ReferenceBackend):
         x inside (the same quantizer, so the same values bit for bit)."""
         if w.amx is not None and x.dtype in (torch.float32, torch.bfloat16):
             return self.int8_op(x, None, w.amx.wp, w.scale, None, bias, w.n, out_dtype or x.dtype)
-        if (w.gemv is not None and w.onednn is None and self.int8_gemv_op is not None
+        if (w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None
                 and x.dtype in (torch.float32, torch.bfloat16)):
             return self.int8_gemv_op(x, None, w.gemv.q, w.scale, None, bias, ISAS.index(self.isa), w.gemv.bits,
                                      GEMV_MAX_M, out_dtype or x.dtype)
         return super().int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
+
+    def grouped_int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
+        """Two-stage per-group W4A8 on the integer GEMV (`wq_int8_gemv` with the group scales:
+        exact int32 sums per group, then float32 as the reference), the activations quantized
+        inside the operator; through ctypes (`ASCEND_QUANT_CPU_OP=0`) with our quantizer first,
+        up to GEMV_MAX_M tokens; else the reference's arrangement on this backend's kernels."""
+        g = w.gemv if isinstance(w, CpuWeightOnly) else None
+        out_dtype = out_dtype or x.dtype
+        if g is None or g.offset is not None or g.bits != 4 or x.dtype not in (torch.float32, torch.bfloat16):
+            return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
+        if self.int8_gemv_op is not None:
+            return self.int8_gemv_op(x, None, g.q, g.scale, None, bias, ISAS.index(self.isa), 4, GEMV_MAX_M, out_dtype)
+        x_q, s_t = self.quantize_dynamic(x.reshape(-1, x.shape[-1]))
+        if x_q.shape[0] > GEMV_MAX_M:
+            return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
+        y = self._int8_gemv(x_q, g, g.scale, s_t, None, bias, out_dtype)
+        return y.reshape(*x.shape[:-1], -1)
 
     def traceable(self, linear) -> bool:
         """Whether `linear`'s forward is torch ops only, so that vLLM's compiled mode may trace it
@@ -731,7 +749,7 @@ class CpuBackend(ReferenceBackend):
             # W8A16, W4A16, two-stage W4A8: the C++ operator (and the traced quantizer for W4A8)
             return w.gemv is not None and self.wq_op is not None
         if isinstance(w, CpuInt8Weight) and (w.amx is not None or (
-                w.gemv is not None and w.onednn is None and self.int8_gemv_op is not None)):
+                w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None)):
             # the AMX-INT8 or integer-GEMV operator, which quantizes dynamic activations inside. Not
             # static W8A8: traced, its quantizer's `x * (1/s) + o` is fused into one FMA by
             # inductor, which rounds some values the other way (measured: a different greedy token)

@@ -100,6 +100,15 @@ class ReferenceBackend:
         acc = exact_int8_matmul(x_q.reshape(-1, x_q.shape[-1]), w_f32_t=w.weight_f32_t)
         return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
 
+    def grouped_int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
+        """Two-stage per-group W4A8: x quantized per token, times the dequantized int4 weight
+        (`prepare_weight_only`) in float32, the per-token scale after, then bias; cast last."""
+        x_q, s_t = self.quantize_dynamic(x)
+        y = self.weight_only_matmul(x_q.float(), w, out_dtype=torch.float32) * s_t.float()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype or x.dtype)
+
     # ---------------------------------------------------------------- weight-only
     def prepare_weight_only(self, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                             bits: int, dtype: torch.dtype = torch.float32) -> WeightOnly:
