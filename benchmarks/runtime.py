@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ascend_quant import numerics
-from ascend_quant.runtime.kernels.cpu import CpuBackend, cpu_has_vnni, vllm_cpu_ops
+from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend, cpu_has_vnni, vllm_cpu_ops
 from ascend_quant.runtime.kernels.reference import exact_int8_matmul
 from ascend_quant.schemes import PreparedLinear
 
@@ -438,7 +438,8 @@ def main(argv=None) -> int:
     result = {"threads": args.threads, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
               "cpu": cpu_description(), "gemv": backend.isa if backend.gemv_lib is not None else "none",
               "vnni": cpu_has_vnni(), "cpu_gemm": backend.gemm, "onednn": "used" if backend.use_onednn else
-              ("not used: our AMX-INT8 kernel instead" if backend.gemm == "amx" else
+              (f"not used: {GEMM_ENV}={os.environ[GEMM_ENV]}" if os.environ.get(GEMM_ENV) else
+               "not used: our AMX-INT8 kernel instead" if backend.gemm == "amx" else
                "not used: no VNNI (oneDNN s8s8 saturates int16 pair sums on AVX2)" if vllm_cpu_ops() else
                "not used: vLLM CPU ops absent"), "rows": []}
     for phase in [p for p in args.phases.split(",") if p]:
