@@ -29,8 +29,9 @@ full-range int8 operands come out wrong by up to a third. It is therefore used o
 GEMV, the default of AVX2 machines, is tested and served on a VNNI machine too. Forcing `onednn`
 without VNNI is refused: its results would be wrong.
 
-Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes run our C GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights
-once per call and converts them in registers. Its AMX build (AMX-BF16 tiles for bfloat16
+Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes run our C
+GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights once per call and converts them
+in registers. Its AMX build (AMX-BF16 tiles for bfloat16
 activations from 4 tokens on, prefill included: the weights converted per block of 32 output
 channels into a panel every tile of tokens reuses), AVX-512-BF16 (bfloat16 activations through
 VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CPU_ISA=avx2`
@@ -746,7 +747,8 @@ class CpuBackend(ReferenceBackend):
         which inductor calls directly)."""
         w = linear.prepared
         if isinstance(w, CpuWeightOnly):
-            # W8A16, W4A16, two-stage W4A8: the C++ operator (and the traced quantizer for W4A8)
+            # W8A16, W4A16: `wq_linear`; two-stage W4A8: `int8_gemv_linear`, quantizer inside (both
+            # operators come from the same library: loaded together or not at all)
             return w.gemv is not None and self.wq_op is not None
         if isinstance(w, CpuInt8Weight) and (w.amx is not None or (
                 w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None)):
