@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -100,6 +101,42 @@ at::Tensor wq_linear(const at::Tensor &x, const at::Tensor &q, const at::Tensor 
     return y.to(out_dtype).view(shape);
 }
 
+// The arguments of an int8-activation Linear as its C kernels take them: x as [m, k] (int8, or
+// float32 / bfloat16 to be quantized inside), the output y [m, n] in float32 or bfloat16, the
+// optional tensors contiguous in the kernels' dtypes.
+struct Int8Args {
+    at::Tensor x2, y;
+    c10::optional<at::Tensor> pt, qb, b;
+    int64_t m;
+    bool int8_in;
+    at::ScalarType want;
+    std::vector<int64_t> shape;
+    int xdt() const { return int8_in ? 2 : x2.scalar_type() == at::kBFloat16 ? 1 : 0; }
+    int ydt() const { return y.scalar_type() == at::kBFloat16 ? 1 : 0; }
+    at::Tensor result() const { return (y.scalar_type() == want ? y : y.to(want)).view(shape); }
+};
+
+Int8Args int8_args(const char *op, const at::Tensor &x, const c10::optional<at::Tensor> &pertoken,
+                   const c10::optional<at::Tensor> &quant_bias, const c10::optional<at::Tensor> &bias, int64_t n,
+                   c10::optional<at::ScalarType> out_dtype) {
+    Int8Args a;
+    const int64_t k = x.size(-1);
+    a.x2 = x.reshape({-1, k});
+    a.int8_in = a.x2.scalar_type() == at::kChar;
+    if (!a.int8_in && a.x2.scalar_type() != at::kFloat && a.x2.scalar_type() != at::kBFloat16) a.x2 = a.x2.to(at::kFloat);
+    if (a.x2.stride(-1) != 1) a.x2 = a.x2.contiguous();
+    a.m = a.x2.size(0);
+    a.want = out_dtype.has_value() ? *out_dtype : (a.int8_in ? at::kFloat : x.scalar_type());
+    a.y = at::empty({a.m, n}, a.x2.options().dtype(a.want == at::kBFloat16 ? at::kBFloat16 : at::kFloat));
+    if (a.int8_in && pertoken.has_value()) a.pt = pertoken->to(at::kFloat).reshape({-1}).contiguous();
+    if (quant_bias.has_value()) a.qb = quant_bias->to(at::kInt).contiguous();
+    if (bias.has_value()) a.b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(!a.pt.has_value() || a.pt->numel() == a.m, op, ": one pertoken scale per token");
+    a.shape.assign(x.sizes().begin(), x.sizes().end() - 1);
+    a.shape.push_back(n);
+    return a;
+}
+
 using int8_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
                         const int8_t *wp, int64_t n, int64_t kp, const float *scale, const int32_t *qbias,
                         const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status);
@@ -119,29 +156,14 @@ at::Tensor int8_linear(const at::Tensor &x, const c10::optional<at::Tensor> &per
                 "ascend_quant_cpu::int8_linear: the packed weight does not hold ", n, " channels of ", k, " in-features");
     TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
                 "ascend_quant_cpu::int8_linear: scale must be contiguous float32 [n]");
-    at::Tensor x2 = x.reshape({-1, k});
-    const bool int8_in = x2.scalar_type() == at::kChar;
-    if (!int8_in && x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
-    if (x2.stride(-1) != 1) x2 = x2.contiguous();
-    const int64_t m = x2.size(0);
-    const at::ScalarType want = out_dtype.has_value() ? *out_dtype : (int8_in ? at::kFloat : x.scalar_type());
-    const bool bf16_out = want == at::kBFloat16;
-    at::Tensor y = at::empty({m, n}, x2.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-    c10::optional<at::Tensor> pt, qb, b;
-    if (int8_in && pertoken.has_value()) pt = pertoken->to(at::kFloat).reshape({-1}).contiguous();
-    if (quant_bias.has_value()) qb = quant_bias->to(at::kInt).contiguous();
-    if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(!pt.has_value() || pt->numel() == m, "ascend_quant_cpu::int8_linear: one pertoken scale per token");
+    const Int8Args a = int8_args("ascend_quant_cpu::int8_linear", x, pertoken, quant_bias, bias, n, out_dtype);
     int status = 0;
-    g_int8(x2.data_ptr(), int8_in ? 2 : x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
-           pt.has_value() ? pt->data_ptr<float>() : nullptr, wp.data_ptr<int8_t>(), n, kp, scale.data_ptr<float>(),
-           qb.has_value() ? qb->data_ptr<int32_t>() : nullptr, opt_ptr(b), y.data_ptr(), bf16_out ? 1 : 0, n,
-           at::get_num_threads(), &status);
+    g_int8(a.x2.data_ptr(), a.xdt(), a.m, k, a.x2.stride(0), a.pt.has_value() ? a.pt->data_ptr<float>() : nullptr,
+           wp.data_ptr<int8_t>(), n, kp, scale.data_ptr<float>(), a.qb.has_value() ? a.qb->data_ptr<int32_t>() : nullptr,
+           opt_ptr(a.b), a.y.data_ptr(), a.ydt(), n, at::get_num_threads(), &status);
     TORCH_CHECK(status != 1, "ascend_quant_cpu::int8_linear: could not allocate its activation buffer");
     TORCH_CHECK(status == 0, "ascend_quant_cpu::int8_linear: this CPU or process cannot run AMX-INT8");
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-    shape.push_back(n);
-    return (y.scalar_type() == want ? y : y.to(want)).view(shape);
+    return a.result();
 }
 
 using int8_gemv_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
@@ -176,30 +198,17 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
                 && gp % 32 == 0 && gp >= gsz && gp - gsz < 32,
                 "ascend_quant_cpu::int8_gemv_linear: the weight does not hold ", k, " in-features");
     TORCH_CHECK(groups == 1 || !quant_bias.has_value(), "ascend_quant_cpu::int8_gemv_linear: quant_bias is per channel");
-    at::Tensor x2 = x.reshape({-1, k});
-    const bool int8_in = x2.scalar_type() == at::kChar;
-    if (!int8_in && x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
-    if (x2.stride(-1) != 1) x2 = x2.contiguous();
-    const int64_t m = x2.size(0);
-    const at::ScalarType want = out_dtype.has_value() ? *out_dtype : (int8_in ? at::kFloat : x.scalar_type());
-    const bool bf16_out = want == at::kBFloat16;
-    at::Tensor y = at::empty({m, n}, x2.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-    c10::optional<at::Tensor> pt, qb, b;
-    if (int8_in && pertoken.has_value()) pt = pertoken->to(at::kFloat).reshape({-1}).contiguous();
-    if (quant_bias.has_value()) qb = quant_bias->to(at::kInt).contiguous();
-    if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(!pt.has_value() || pt->numel() == m, "ascend_quant_cpu::int8_gemv_linear: one pertoken scale per token");
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-    shape.push_back(n);
+    const Int8Args a = int8_args("ascend_quant_cpu::int8_gemv_linear", x, pertoken, quant_bias, bias, n, out_dtype);
+    const int64_t m = a.m;
     if (m > max_m) {
-        at::Tensor xq = x2, st;
-        if (!int8_in) {
-            xq = at::empty({m, k}, x2.options().dtype(at::kChar));
-            st = at::empty({m, 1}, x2.options().dtype(at::kFloat));
-            g_quant[isa](x2.data_ptr(), x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
-                         xq.data_ptr<int8_t>(), st.data_ptr<float>(), at::get_num_threads());
-        } else if (pt.has_value()) {
-            st = pt->reshape({-1, 1});
+        at::Tensor xq = a.x2, st;
+        if (!a.int8_in) {
+            xq = at::empty({m, k}, a.x2.options().dtype(at::kChar));
+            st = at::empty({m, 1}, a.x2.options().dtype(at::kFloat));
+            g_quant[isa](a.x2.data_ptr(), a.xdt(), m, k, a.x2.stride(0), xq.data_ptr<int8_t>(), st.data_ptr<float>(),
+                         at::get_num_threads());
+        } else if (a.pt.has_value()) {
+            st = a.pt->reshape({-1, 1});
         }
         const at::Tensor xf = xq.to(at::kFloat);
         if (groups > 1) {
@@ -214,8 +223,8 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
                 yf = start == 0 ? part : yf.add_(part);
             }
             if (st.defined()) yf.mul_(st);
-            if (b.has_value()) yf.add_(*b);
-            return yf.to(want).view(shape);
+            if (a.b.has_value()) yf.add_(*a.b);
+            return yf.to(a.want).view(a.shape);
         }
         const at::Tensor ones = at::ones({n, 1}, scale.options());
         at::Tensor w = at::empty({n, std::min(kChunk, k)}, xf.options()), acc;
@@ -227,19 +236,19 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
             at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t()).to(at::kInt);
             acc = start == 0 ? part : acc.add_(part);
         }
-        if (qb.has_value()) acc.add_(*qb);
+        if (a.qb.has_value()) acc.add_(*a.qb);
         at::Tensor yf = acc.to(at::kFloat).mul_(scale);
         if (st.defined()) yf.mul_(st);
-        if (b.has_value()) yf.add_(*b);
-        return yf.to(want).view(shape);
+        if (a.b.has_value()) yf.add_(*a.b);
+        return yf.to(a.want).view(a.shape);
     }
     int status = 0;
-    g_int8_gemv[isa](x2.data_ptr(), int8_in ? 2 : x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
-                     pt.has_value() ? pt->data_ptr<float>() : nullptr, q.data_ptr(), (int)bits, n, groups, gp,
-                     scale.data_ptr<float>(), qb.has_value() ? qb->data_ptr<int32_t>() : nullptr, opt_ptr(b),
-                     y.data_ptr(), bf16_out ? 1 : 0, n, at::get_num_threads(), &status);
+    g_int8_gemv[isa](a.x2.data_ptr(), a.xdt(), m, k, a.x2.stride(0), a.pt.has_value() ? a.pt->data_ptr<float>() : nullptr,
+                     q.data_ptr(), (int)bits, n, groups, gp, scale.data_ptr<float>(),
+                     a.qb.has_value() ? a.qb->data_ptr<int32_t>() : nullptr, opt_ptr(a.b), a.y.data_ptr(), a.ydt(), n,
+                     at::get_num_threads(), &status);
     TORCH_CHECK(status == 0, "ascend_quant_cpu::int8_gemv_linear: could not allocate its activation buffer");
-    return (y.scalar_type() == want ? y : y.to(want)).view(shape);
+    return a.result();
 }
 
 }  // namespace

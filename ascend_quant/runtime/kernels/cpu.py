@@ -269,19 +269,22 @@ def _gemv(lib, w: GemvWeight, x2: torch.Tensor, mode: int, out_dtype: torch.dtyp
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
-def _wq_op(isa: str, gemv_lib):
-    """`torch.ops.ascend_quant_cpu.wq_linear` with this GEMV build registered in it (its slot is
-    the build's index in ISAS, the op's `isa` argument), or None: no GEMV build, no C++ compiler
-    or torch headers, or `ASCEND_QUANT_CPU_OP=0` (the same kernels called through ctypes)."""
+def _gemv_ops(isa: str, gemv_lib):
+    """(`torch.ops.ascend_quant_cpu.wq_linear`, `...int8_gemv_linear`) with this GEMV build's
+    kernels registered in them (their slot is the build's index in ISAS, the ops' `isa`
+    argument), or (None, None): no GEMV build, no C++ compiler or torch headers, or
+    `ASCEND_QUANT_CPU_OP=0` (the same kernels called through ctypes)."""
     if gemv_lib is None or os.environ.get(OP_ENV, "1") == "0":
-        return None
+        return None, None
     lib = native.WQ_OP.load()
     if lib is None:
-        return None
-    lib.wq_op_register(ISAS.index(isa), ctypes.cast(gemv_lib.wq_gemv, ctypes.c_void_p),
-                       ctypes.cast(gemv_lib.wq_dequant, ctypes.c_void_p))
+        return None, None
+    slot, fn = ISAS.index(isa), lambda name: ctypes.cast(getattr(gemv_lib, name), ctypes.c_void_p)
+    lib.wq_op_register(slot, fn("wq_gemv"), fn("wq_dequant"))
+    lib.wq_op_register_int8_gemv(slot, fn("wq_int8_gemv"), fn("wq_quant_dynamic"))
     _register_wq_fake()
-    return torch.ops.ascend_quant_cpu.wq_linear
+    _register_int8_gemv_fake()
+    return torch.ops.ascend_quant_cpu.wq_linear, torch.ops.ascend_quant_cpu.int8_gemv_linear
 
 
 def _int8_op(isa: str, gemv_lib):
@@ -295,21 +298,6 @@ def _int8_op(isa: str, gemv_lib):
     lib.wq_op_register_int8(ctypes.cast(gemv_lib.wq_int8_linear, ctypes.c_void_p))
     _register_int8_fake()
     return torch.ops.ascend_quant_cpu.int8_linear
-
-
-def _int8_gemv_op(isa: str, gemv_lib):
-    """`torch.ops.ascend_quant_cpu.int8_gemv_linear` with this GEMV build's integer kernel
-    registered in it (slot: the build's index in ISAS), or None: no GEMV build, no C++ operator,
-    or `ASCEND_QUANT_CPU_OP=0` (the same kernel through ctypes)."""
-    if gemv_lib is None or os.environ.get(OP_ENV, "1") == "0":
-        return None
-    lib = native.WQ_OP.load()
-    if lib is None:
-        return None
-    lib.wq_op_register_int8_gemv(ISAS.index(isa), ctypes.cast(gemv_lib.wq_int8_gemv, ctypes.c_void_p),
-                                 ctypes.cast(gemv_lib.wq_quant_dynamic, ctypes.c_void_p))
-    _register_int8_gemv_fake()
-    return torch.ops.ascend_quant_cpu.int8_gemv_linear
 
 
 @functools.lru_cache(maxsize=1)
@@ -554,7 +542,9 @@ class CpuBackend(ReferenceBackend):
                              "(without them oneDNN's int8 GEMM saturates); use f32")
         self.isa = gemv_isa()
         self.gemv_lib = None if self.isa == "off" else native.WQ_GEMV[self.isa].load()
-        self.wq_op = _wq_op(self.isa, self.gemv_lib)
+        # the GEMV's operators: `wq_linear` (weight-only) and `int8_gemv_linear` (the "gemv" GEMM,
+        # and two-stage per-group W4A8 on every GEMM); None: called through ctypes
+        self.wq_op, self.int8_gemv_op = _gemv_ops(self.isa, self.gemv_lib)
         self.int8_op = _int8_op(self.isa, self.gemv_lib) if gemm == "amx" else None
         if gemm == "amx" and self.int8_op is None:
             if forced:
@@ -565,9 +555,6 @@ class CpuBackend(ReferenceBackend):
             if forced:
                 raise ValueError(f"{GEMM_ENV}=gemv needs the GEMV library ({ISA_ENV} not off, a C compiler)")
             gemm = "f32"
-        # the integer GEMV's operator: the "gemv" GEMM and two-stage per-group W4A8 on every GEMM
-        # (None: called through ctypes)
-        self.int8_gemv_op = _int8_gemv_op(self.isa, self.gemv_lib)
         self.gemm = gemm
         self.use_onednn = gemm == "onednn"
 
