@@ -96,3 +96,28 @@ def int8_scheme_tensors(scheme: str, g: torch.Generator, n: int, k: int) -> dict
     w_q, s = numerics.quantize_weight(w, 4 if scheme == "W4A8_DYNAMIC" else 8)
     return {"weight": numerics.pack_int4(w_q) if scheme == "W4A8_DYNAMIC" else w_q, "weight_scale": s.float(),
             "weight_offset": torch.zeros_like(s)}
+
+
+@pytest.fixture
+def one_thread():
+    """Small shapes: one torch thread (the C kernels run single-threaded below 2^16 weights
+    anyway), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def assert_int8_epilogues(matmul, x_q, w, scale, g: torch.Generator) -> None:
+    """`matmul(x_q, out_dtype=..., **kw)` equals int8_oracle bit for bit with per-token scales and
+    bias, quant_bias alone and per-token scales alone, float32 and bfloat16 output."""
+    n, m = w.shape[0], x_q.shape[0]
+    s_t = torch.rand(m, 1, generator=g)
+    qbias = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
+    bias = torch.randn(n, generator=g)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        for kw in (dict(pertoken_scale=s_t, bias=bias), dict(quant_bias=qbias), dict(pertoken_scale=s_t)):
+            got = matmul(x_q, out_dtype=out_dtype, **kw)
+            want = int8_oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
+                               bias=kw.get("bias"), out_dtype=out_dtype)
+            assert got.dtype == out_dtype and torch.equal(got, want), (m, out_dtype, list(kw))

@@ -19,7 +19,7 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMM_ENV, AmxInt8Weight, CpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
-from conftest import int8_oracle, int8_scheme_tensors, rounding_boundaries
+from conftest import assert_int8_epilogues, int8_oracle, int8_scheme_tensors, rounding_boundaries
 
 HAS_AMX = cpu.cpu_has_amx_int8() and cpu.cpu_isa() == "amx"
 
@@ -71,15 +71,7 @@ def test_int8_activations_are_exact(amx, n, k, m):
     assert torch.equal(amx.int8_matmul(x_q, prep).double(), (x_q.double() @ w.double().t()))
     scale = torch.rand(n, generator=g) * 0.01
     prep = amx.prepare_int8(w, scale)
-    s_t = torch.rand(m, 1, generator=g)
-    qbias = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
-    bias = torch.randn(n, generator=g)
-    for out_dtype in (torch.float32, torch.bfloat16):
-        for kw in (dict(pertoken_scale=s_t, bias=bias), dict(quant_bias=qbias), dict(pertoken_scale=s_t)):
-            got = amx.int8_matmul(x_q, prep, out_dtype=out_dtype, **kw)
-            want = int8_oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
-                           bias=kw.get("bias"), out_dtype=out_dtype)
-            assert got.dtype == out_dtype and torch.equal(got, want), (out_dtype, list(kw))
+    assert_int8_epilogues(lambda x, **kw: amx.int8_matmul(x, prep, **kw), x_q, w, scale, g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

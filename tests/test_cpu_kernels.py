@@ -23,6 +23,7 @@ from ascend_quant.schemes import PreparedLinear
 from conftest import rounding_boundaries
 
 REF = ReferenceBackend()
+pytestmark = pytest.mark.usefixtures("one_thread")
 ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu_isa()):-1])        # this CPU's widest down to avx2
 TOKENS = (1, 3, 5, 9, GEMV_MAX_M, GEMV_MAX_M + 3)      # register tiles 1-8, two tiles, the GEMM path
 
@@ -40,15 +41,6 @@ def backend(request, monkeypatch):
     assert b.gemv_lib.wq_isa() == {"amx": 1024, "avx512bf16": 516, "avx512": 512, "avx2": 2}[isa]
     assert (b.wq_op is not None) == (via == "op"), cpu.native.WQ_OP.error
     return b
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small shapes: one thread (the kernel runs single-threaded below 2^16 weights anyway)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_threads_split_the_output_channels(backend):

@@ -18,9 +18,10 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
-from conftest import int8_oracle, int8_scheme_tensors, rounding_boundaries
+from conftest import assert_int8_epilogues, int8_oracle, int8_scheme_tensors, rounding_boundaries
 
 ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu.cpu_isa()):-1])        # this CPU's widest down to avx2
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(params=[(isa, via) for isa in ISAS for via in ("op", "ctypes")], ids="-".join)
@@ -32,14 +33,6 @@ def gemv(request, monkeypatch):
     assert b.gemm == "gemv" and b.gemv_lib is not None, "the GEMV kernel did not build (a C compiler is needed)"
     assert (b.int8_gemv_op is not None) == (via == "op"), cpu.native.WQ_OP.error
     return b
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # k = 77: a padded 32-block; k = 4000: beyond every float path's exact range; m: register
@@ -62,15 +55,7 @@ def test_int8_activations_are_exact(gemv, bits, k):
     for m in (1, 2, 3, 4, 5, 9, 17, cpu.GEMV_MAX_M, 300):   # 300: the float32 GEMMs of prefill
         x_q = x_all[:m]
         assert torch.equal(gemv.int8_matmul(x_q, ones).double(), (x_q.double() @ w.double().t()))
-        s_t = torch.rand(m, 1, generator=g)
-        qbias = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
-        bias = torch.randn(n, generator=g)
-        for out_dtype in (torch.float32, torch.bfloat16):
-            for kw in (dict(pertoken_scale=s_t, bias=bias), dict(quant_bias=qbias), dict(pertoken_scale=s_t)):
-                got = gemv.int8_matmul(x_q, prep, out_dtype=out_dtype, **kw)
-                want = int8_oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
-                               bias=kw.get("bias"), out_dtype=out_dtype)
-                assert got.dtype == out_dtype and torch.equal(got, want), (m, out_dtype, list(kw))
+        assert_int8_epilogues(lambda x, **kw: gemv.int8_matmul(x, prep, **kw), x_q, w, scale, g)
 
 
 def test_minus_128_stays_off_the_kernel(gemv):
@@ -120,7 +105,8 @@ def test_two_threads_give_one_threads_result(gemv):
     torch.set_num_threads(2)
     two = gemv.int8_matmul_dynamic(x, prep)
     x_q, s_t = numerics.quantize_activation_dynamic(x)
-    assert torch.equal(one, int8_oracle(x_q, w, scale, s_t=s_t, out_dtype=torch.bfloat16)) and torch.equal(two, one)
+    assert torch.equal(one, int8_oracle(x_q, w, scale, s_t=s_t, out_dtype=torch.bfloat16))
+    assert torch.equal(two, one)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8_DYNAMIC", "W4A8_DYNAMIC", "W8A8"])
