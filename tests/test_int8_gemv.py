@@ -10,6 +10,8 @@ holding -128 (which VPSIGNB cannot negate) must stay off this path."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -40,14 +42,17 @@ def gemv(request, monkeypatch):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k", [77, 4000])
 def test_int8_activations_are_exact(gemv, bits, k):
-    """Full-range operands (x_q -128 included; int8 weights -127..127, int4 -8..7): the integer
-    products exactly, then the epilogue with and without per-token scales, quant_bias and bias."""
+    """Full-range weights (int8 -128..127, int4 -8..7) and the activations the kernel takes (int4
+    weights: x_q -128..127; int8: -127..127, what the dynamic quantizer gives; a -128 there is
+    the next test's): the integer products exactly, then the epilogue with and without per-token
+    scales, quant_bias and bias."""
     g = torch.Generator().manual_seed(k + bits)
-    n, lo = 38, -127 if bits == 8 else -8
-    w = torch.randint(lo, -lo if bits == 8 else 8, (n, k), generator=g, dtype=torch.int8)
-    w[0], w[1] = lo, -lo if bits == 8 else 7
-    x_all = torch.randint(-128, 128, (300, k), generator=g, dtype=torch.int8)
-    x_all[0], x_all[1] = -128, 127
+    n, (lo, hi) = 38, (-128, 127) if bits == 8 else (-8, 7)
+    w = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    w[0], w[1] = lo, hi
+    x_lo = -127 if bits == 8 else -128
+    x_all = torch.randint(x_lo, 128, (300, k), generator=g, dtype=torch.int8)
+    x_all[0], x_all[1] = x_lo, 127
     ones = gemv.prepare_int8(w, torch.ones(n), bits=bits)
     assert ones.gemv is not None and ones.weight_t is None and ones.bits == bits
     scale = torch.rand(n, generator=g) * 0.01
@@ -58,16 +63,27 @@ def test_int8_activations_are_exact(gemv, bits, k):
         assert_int8_epilogues(lambda x, **kw: gemv.int8_matmul(x, prep, **kw), x_q, w, scale, g)
 
 
-def test_minus_128_stays_off_the_kernel(gemv):
-    """An int8 weight holding -128 cannot take VPSIGNB's sign trick: it is kept for the exact
-    float32 GEMMs instead, and the result is still exact."""
+def test_an_activation_of_minus_128(gemv):
+    """VPSIGNB cannot negate an x_q of -128: with int8 weights the kernel declines such a call
+    (status 3, y untouched) and the backend answers it exactly with the float32 GEMMs; the int4
+    per-channel form (weight + 8 against x_q) takes it. Static W8A8 can hand in such values."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randint(-128, 128, (20, 64), generator=g, dtype=torch.int8)
-    w[2, 5] = -128
-    prep = gemv.prepare_int8(w, torch.ones(20))
-    assert prep.gemv is None and prep.weight_t is not None
-    x_q = torch.randint(-128, 128, (3, 64), generator=g, dtype=torch.int8)
-    assert torch.equal(gemv.int8_matmul(x_q, prep).double(), x_q.double() @ w.double().t())
+    n, k = 20, 64
+    x_q = torch.randint(-127, 128, (3, k), generator=g, dtype=torch.int8)
+    x_q[1, 7] = -128
+    for bits, want_status in ((8, 3), (4, 0)):
+        w = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        w[0, 0] = -8
+        prep = gemv.prepare_int8(w, torch.ones(n), bits=bits)
+        assert prep.gemv is not None
+        assert torch.equal(gemv.int8_matmul(x_q, prep).double(), x_q.double() @ w.double().t())
+        y = torch.full((3, n), 7.0)
+        status = ctypes.c_int(0)
+        q = prep.gemv
+        gemv.gemv_lib.wq_int8_gemv(x_q.data_ptr(), 2, 3, k, k, None, q.q.data_ptr(), bits, n, 1, q.gp,
+                                   prep.scale.data_ptr(), None, None, y.data_ptr(), 0, n, 1, ctypes.byref(status))
+        assert status.value == want_status
+        assert torch.equal(y, torch.full((3, n), 7.0)) if want_status else torch.equal(y.double(), x_q.double() @ w.double().t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -156,7 +172,8 @@ def test_per_group_sums_are_exact(gemv, k):
     """Two-stage per-group W4A8's weights (int4 in groups of 64; k = 200 in groups of 8, each
     padded to 32 in the layout) with power-of-two group scales: the int32 sum of each group
     times its scale, summed in float32, is exact here, so the kernel equals an int64 oracle bit for
-    bit, 1 to 9 tokens."""
+    bit, 1 to 9 tokens; a row with a -128 is declined (ctypes: None) and the operator's float32
+    GEMMs give the same."""
     g = torch.Generator().manual_seed(k)
     n, gs = 38, 8 if k == 200 else 64
     w4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
@@ -164,13 +181,17 @@ def test_per_group_sums_are_exact(gemv, k):
     scale = 2.0 ** torch.randint(-1, 3, (n, k // gs), generator=g).float()
     prep = gemv.prepare_weight_only(w4, scale, None, 4)
     assert prep.gemv is not None and prep.gemv.scale.shape == (n, k // gs)
-    x_q = torch.randint(-128, 128, (9, k), generator=g, dtype=torch.int8)
-    x_q[0] = -128
+    x_q = torch.randint(-127, 128, (10, k), generator=g, dtype=torch.int8)
+    x_q[0] = -127
+    x_q[9, 3] = -128        # the per-group form takes VPSIGNB: declined, the float32 GEMMs answer
     want = x_q.double() @ (w4.double() * scale.double().repeat_interleave(gs, 1)).t()
-    for m in (1, 2, 3, 5, 9):
+    for rows in (slice(0, 1), slice(0, 2), slice(0, 3), slice(0, 5), slice(0, 9), slice(5, 10)):
         if gemv.int8_gemv_op is not None:
-            got = gemv.int8_gemv_op(x_q[:m], None, prep.gemv.q, prep.gemv.scale, None, None, cpu.ISAS.index(gemv.isa),
-                                    4, cpu.GEMV_MAX_M, torch.float32)
+            got = gemv.int8_gemv_op(x_q[rows], None, prep.gemv.q, prep.gemv.scale, None, None,
+                                    cpu.ISAS.index(gemv.isa), 4, cpu.GEMV_MAX_M, torch.float32)
         else:
-            got = gemv._int8_gemv(x_q[:m], prep.gemv, prep.gemv.scale, None, None, None, torch.float32)
-        assert torch.equal(got.double(), want[:m]), m
+            got = gemv._int8_gemv(x_q[rows], prep.gemv, prep.gemv.scale, None, None, None, torch.float32)
+            if rows.stop == 10:
+                assert got is None
+                continue
+        assert torch.equal(got.double(), want[rows]), rows

@@ -828,9 +828,12 @@ void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t 
  * ones widens them to int32. The operands are chosen so that no pair sum saturates (|sum| < 2^15):
  *   int4, per channel: unsigned = the weight + 8 (0..15: the nibble XOR 8), signed = x_q: pairs
  *         at most 2 * 15 * 128; the 8 * sum(x_q) this adds is subtracted per token at the end.
- *   int8, and int4 per group: unsigned = |x_q| (at most 128), signed = w with x_q's sign
- *         (VPSIGNB): pairs at most 2 * 128 * 127. A weight of -128 would not negate, so cpu.py
- *         keeps such weights off this path.
+ *   int8, and int4 per group: unsigned = |w| (at most 128: -128 included), signed = x_q with
+ *         w's sign (VPSIGNB): pairs at most 2 * 128 * 127, as long as no x_q is -128 (which
+ *         would not negate). Activations quantized here (or by quant_row's callers) lie in
+ *         [-127, 127]; int8 activations handed in (xdt 2) are checked while copied, and a call
+ *         where one is -128 returns *status = 3 with y untouched (the callers then take the
+ *         exact float32 k-chunk GEMMs).
  * Exact while gp * 128 * 128 < 2^31. Output channels in blocks of RB over the threads. */
 static inline int32_t hsum_epi32(__m256i a) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -849,7 +852,7 @@ static inline float hsum_ps256(__m256 a) {
 /* R output channels x MT tokens. Per channel (G = 0): res[r * MT_MAX + t] holds acc as int32 bits
  * (int4: before the 8 * sum(x_q) correction). Per group (G = 1): the scaled float32 sum. */
 static inline __attribute__((always_inline)) void row_tile_int(
-        const int R, const int MT, const int BITS, const int G, const int8_t *xq, const uint8_t *xa, int64_t ldb,
+        const int R, const int MT, const int BITS, const int G, const int8_t *xq, int64_t ldb,
         const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, float *res) {
     __m256i acc[RB][MT_MAX];
     __m256 tot[RB][MT_MAX];
@@ -870,11 +873,11 @@ static inline __attribute__((always_inline)) void row_tile_int(
                 } else {
                     w = _mm256_loadu_si256((const __m256i *)(wrow + r * row_bytes + i));
                 }
+                const int plus8 = BITS == 4 && !G;
+                const __m256i wu = plus8 ? w : _mm256_abs_epi8(w);       /* |-128| reads as unsigned 128 */
                 for (int t = 0; t < MT; t++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * ldb + i));
-                    const __m256i p = BITS == 4 && !G
-                        ? _mm256_maddubs_epi16(w, x)
-                        : _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xa + t * ldb + i)), _mm256_sign_epi8(w, x));
+                    const __m256i p = _mm256_maddubs_epi16(wu, plus8 ? x : _mm256_sign_epi8(x, w));
                     acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(p, ones));
                 }
             }
@@ -896,12 +899,12 @@ static inline __attribute__((always_inline)) void row_tile_int(
         }
 }
 
-#define TILE_INT(R, M) { if (groups > 1) row_tile_int(R, M, bits, 1, xq, xa, ldb, wrow, row_bytes, groups, gp, srow, res); \
-                         else if (bits == 4) row_tile_int(R, M, 4, 0, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); \
-                         else row_tile_int(R, M, 8, 0, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); }
+#define TILE_INT(R, M) { if (groups > 1) row_tile_int(R, M, bits, 1, xq, ldb, wrow, row_bytes, groups, gp, srow, res); \
+                         else if (bits == 4) row_tile_int(R, M, 4, 0, xq, ldb, wrow, row_bytes, 1, gp, srow, res); \
+                         else row_tile_int(R, M, 8, 0, xq, ldb, wrow, row_bytes, 1, gp, srow, res); }
 
 /* per group: at most 4 tokens a tile (int32 and float32 accumulators both live in registers) */
-static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, const uint8_t *xa, int64_t ldb,
+static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, int64_t ldb,
                            const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow,
                            float *res) {
     if (mt == 1 && rows >= 4) { TILE_INT(4, 1) return 4; }
@@ -925,16 +928,16 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
     const int grouped = groups > 1;
     const size_t xbytes = ((size_t)(m * kp) + 63) / 64 * 64;
     int8_t *xq = aligned_alloc(64, xbytes);
-    const int need_abs = bits == 8 || grouped;
-    uint8_t *xa = need_abs ? aligned_alloc(64, xbytes) : NULL;      /* |x_q| */
+    const int signed_x = bits == 8 || grouped;      /* the VPSIGNB forms: no x_q may be -128 */
     float *st = malloc((size_t)m * sizeof(float));
     int32_t *xs = malloc((size_t)m * sizeof(int32_t));               /* sum(x_q) per token */
     int8_t *tmp = xdt != 2 && grouped ? malloc((size_t)(m * k)) : NULL;   /* x_q before the group padding */
-    if (!xq || (need_abs && !xa) || !st || !xs || (xdt != 2 && grouped && !tmp)) {
-        free(xq); free(xa); free(st); free(xs); free(tmp); *status = 1; return;
+    if (!xq || !st || !xs || (xdt != 2 && grouped && !tmp)) {
+        free(xq); free(st); free(xs); free(tmp); *status = 1; return;
     }
+    int minus128 = 0;
     const int esz = xdt == 0 ? 4 : xdt == 1 ? 2 : 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k >= (1 << 15))
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(|:minus128) if (m * k >= (1 << 15))
     for (int64_t t = 0; t < m; t++) {
         int8_t *row = xq + t * kp;
         const char *src = (const char *)x + t * ldx * esz;
@@ -951,11 +954,13 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
             memset(row + g * gp + gsz, 0, (size_t)(gp - gsz));
         }
         int32_t s = 0;
-        for (int64_t i = 0; i < kp; i++) s += row[i];
+        for (int64_t i = 0; i < kp; i++) {
+            s += row[i];
+            minus128 |= row[i] == -128;
+        }
         xs[t] = s;
-        if (xa)
-            for (int64_t i = 0; i < kp; i++) xa[t * kp + i] = (uint8_t)(row[i] < 0 ? -row[i] : row[i]);
     }
+    if (signed_x && minus128) { free(xq); free(st); free(xs); free(tmp); *status = 3; return; }
     const int use_st = xdt != 2 || pertoken;
     const int64_t row_bytes = bits == 4 ? kp / 2 : kp, blocks = (n + RB - 1) / RB;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n * kp * (m < 4 ? m : 4) >= (1 << 16))
@@ -966,7 +971,7 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
             const int mt = m - t0 < MT_MAX ? (int)(m - t0) : MT_MAX;
             int mdone = mt;
             for (int64_t jr = j0; jr < j1;) {
-                const int done = tile_int((int)(j1 - jr), mt, bits, xq + t0 * kp, xa ? xa + t0 * kp : NULL, kp,
+                const int done = tile_int((int)(j1 - jr), mt, bits, xq + t0 * kp, kp,
                                           (const uint8_t *)w + jr * row_bytes, row_bytes, groups, gp,
                                           scale + jr * groups, res);
                 const int tdone = grouped && mt > 4 && done == 1 ? 4 : mt;     /* tile_int's token cap */
@@ -995,7 +1000,6 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
         }
     }
     free(xq);
-    free(xa);
     free(st);
     free(xs);
     free(tmp);

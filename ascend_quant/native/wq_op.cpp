@@ -179,7 +179,8 @@ quant_fn g_quant[kSlots] = {};
 // weights in the GEMV layout (runtime/kernels/cpu.py: GemvWeight): q int8 [n, kp] or int4 pairs
 // [n, kp / 2], scale float32 [n] (per channel) or [n, groups] (two-stage per-group W4A8: the group
 // scales multiply each group's int32 sums; no quant_bias). The arguments and outputs as
-// int8_linear's. More than max_m tokens (prefill): per channel, the exact float32 GEMMs over
+// int8_linear's. More than max_m tokens (prefill), or int8 activations the kernel declines
+// (status 3: an x_q of -128 with int8 or per-group weights): per channel, the exact float32 GEMMs over
 // k-chunks of 1024 (reference.exact_int8_matmul's algorithm: ATen's mm on x_q and wq_dequant's
 // integer values, every partial sum an integer below 2^24) and the reference's epilogue in ATen
 // ops, in its order; per group, x_q times the dequantized weight (whole groups per chunk), then
@@ -200,7 +201,7 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
     TORCH_CHECK(groups == 1 || !quant_bias.has_value(), "ascend_quant_cpu::int8_gemv_linear: quant_bias is per channel");
     const Int8Args a = int8_args("ascend_quant_cpu::int8_gemv_linear", x, pertoken, quant_bias, bias, n, out_dtype);
     const int64_t m = a.m;
-    if (m > max_m) {
+    auto chunked = [&]() -> at::Tensor {
         at::Tensor xq = a.x2, st;
         if (!a.int8_in) {
             xq = at::empty({m, k}, a.x2.options().dtype(at::kChar));
@@ -241,12 +242,14 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
         if (st.defined()) yf.mul_(st);
         if (a.b.has_value()) yf.add_(*a.b);
         return yf.to(a.want).view(a.shape);
-    }
+    };
+    if (m > max_m) return chunked();
     int status = 0;
     g_int8_gemv[isa](a.x2.data_ptr(), a.xdt(), m, k, a.x2.stride(0), a.pt.has_value() ? a.pt->data_ptr<float>() : nullptr,
                      q.data_ptr(), (int)bits, n, groups, gp, scale.data_ptr<float>(),
                      a.qb.has_value() ? a.qb->data_ptr<int32_t>() : nullptr, opt_ptr(a.b), a.y.data_ptr(), a.ydt(), n,
                      at::get_num_threads(), &status);
+    if (status == 3) return chunked();      // an int8 x_q of -128 with int8 or per-group weights (wq_gemv.c)
     TORCH_CHECK(status == 0, "ascend_quant_cpu::int8_gemv_linear: could not allocate its activation buffer");
     return a.result();
 }

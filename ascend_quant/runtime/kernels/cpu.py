@@ -10,10 +10,11 @@ The int8 x int8 product is exact on every path; which one runs (`gemm`):
   * "onednn": vLLM's `onednn_scaled_mm`, only where the CPU has VNNI (see below);
   * "gemv": our integer GEMV (`native/wq_gemv.c`: wq_int8_gemv, through the C++ operator
     `ascend_quant_cpu::int8_gemv_linear`), the default without VNNI: AVX2's VPMADDUBSW with
-    operands that cannot saturate (int4: the weight + 8 against x_q; int8: |x_q| against w with
-    x_q's sign, so int8 weights holding -128 stay on "f32"), exact int32 sums, the reference's
-    epilogue, the weights read once per call in the GEMV layout (one int8 byte or half a byte per
-    weight); the dynamic quantizer inside the same call, as on "amx";
+    operands that cannot saturate (int4: the weight + 8 against x_q; int8: |w| against x_q with
+    w's sign, so an int8 x_q of -128, which our dynamic quantizer never gives, sends that call
+    to the float32 GEMMs below), exact int32 sums, the reference's epilogue, the weights read
+    once per call in the GEMV layout (one int8 byte or half a byte per weight); the dynamic
+    quantizer inside the same call, as on "amx";
   * "f32": float32 GEMMs over k-chunks of 1024 (`reference.exact_int8_matmul`; exact because
     every partial sum stays an integer below 2^24), where "gemv" cannot run (no C compiler):
     measured on an AVX2 CPU (1 thread, 512x576x1536) MKL's sgemm is ~20x faster than
@@ -608,7 +609,7 @@ class CpuBackend(ReferenceBackend):
         if self.int8_op is not None:
             return CpuInt8Weight(None, scale, None, weight.shape[0], amx=AmxInt8Weight.build(weight, bits))
         handler = {} if self.use_onednn else None
-        if self.gemm == "gemv" and (bits == 4 or int(weight.min()) > -128):     # -128: see the module doc
+        if self.gemm == "gemv":
             gemv = GemvWeight.build(weight, scale.reshape(-1, 1), None, bits)
             if _gemv_exact(gemv):
                 return CpuInt8Weight(None, scale, None, weight.shape[0], gemv=gemv)
@@ -627,7 +628,8 @@ class CpuBackend(ReferenceBackend):
 
     def _int8_gemv(self, x2, g: GemvWeight, scale, pertoken, quant_bias, bias, out_dtype):
         """`wq_int8_gemv` through ctypes (`ASCEND_QUANT_CPU_OP=0`) on x_q [m, k], contiguous int8;
-        scale float32 [n] (per channel) or g.scale [n, groups]."""
+        scale float32 [n] (per channel) or g.scale [n, groups]. None where the kernel declines
+        x_q (a -128 with int8 or per-group weights): the caller takes the float32 GEMMs."""
         m = x2.shape[0]
         y = torch.empty((m, g.n), dtype=out_dtype if out_dtype in _YDT else torch.float32)
         f = lambda t, dt: None if t is None else t.to(dt).reshape(-1).contiguous()  # noqa: E731
@@ -638,6 +640,8 @@ class CpuBackend(ReferenceBackend):
                                    g.scale.shape[1], g.gp, scale.data_ptr(), None if qb is None else qb.data_ptr(),
                                    None if b is None else b.data_ptr(), y.data_ptr(), _YDT.get(y.dtype, 0), g.n,
                                    torch.get_num_threads(), ctypes.byref(status))
+        if status.value == 3:
+            return None
         if status.value:
             raise MemoryError("wq_int8_gemv: could not allocate its activation buffer")
         return y if y.dtype == out_dtype else y.to(out_dtype)
@@ -651,11 +655,13 @@ class CpuBackend(ReferenceBackend):
         lead = x_q.shape[:-1]
         x2 = x_q if x_q.dim() == 2 and x_q.is_contiguous() else x_q.reshape(-1, x_q.shape[-1]).contiguous()
         if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and x2.shape[0] <= GEMV_MAX_M:
-            return self._int8_gemv(x2, w.gemv, w.scale, pertoken_scale, quant_bias, bias, out_dtype).reshape(*lead, -1)
+            y = self._int8_gemv(x2, w.gemv, w.scale, pertoken_scale, quant_bias, bias, out_dtype)
+            if y is not None:
+                return y.reshape(*lead, -1)
         # oneDNN first where it runs: with VNNI it beat the float-lane GEMV on int4 weights at
         # every token count measured (1 to 16)
-        if (w.gemv is not None and w.onednn is None and x2.shape[0] <= GEMV_MAX_M and quant_bias is None
-                and self.gemv_lib is not None):
+        if (w.gemv is not None and w.gemv.bits == 4 and w.onednn is None and x2.shape[0] <= GEMV_MAX_M
+                and quant_bias is None and self.gemv_lib is not None):
             return _gemv(self.gemv_lib, w.gemv, x2, 1, out_dtype, bias, pertoken_scale).reshape(*lead, -1)
         if w.onednn is not None and quant_bias is None:
             dt = _onednn_out_dtype(out_dtype, bias is not None)
@@ -721,6 +727,8 @@ class CpuBackend(ReferenceBackend):
         if x_q.shape[0] > GEMV_MAX_M:
             return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
         y = self._int8_gemv(x_q, g, g.scale, s_t, None, bias, out_dtype)
+        if y is None:       # declined x_q (a -128), which this quantizer never gives
+            return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
         return y.reshape(*x.shape[:-1], -1)
 
     def traceable(self, linear) -> bool:
