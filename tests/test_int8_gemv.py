@@ -42,9 +42,9 @@ def gemv(request, monkeypatch):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k", [77, 4000])
 def test_int8_activations_are_exact(gemv, bits, k):
-    """Full-range weights (int8 -128..127, int4 -8..7) and the activations the kernel takes (int4
-    weights: x_q -128..127; int8: -127..127, what the dynamic quantizer gives; a -128 there is
-    the next test's): the integer products exactly, then the epilogue with and without per-token
+    """Full-range weights (int8 -128..127, int4 -8..7) and activations (int4 weights: x_q
+    -128..127; int8: -127..127, what the dynamic quantizer gives; -128 with int8 weights is the
+    next test's): the integer products exactly, then the epilogue with and without per-token
     scales, quant_bias and bias."""
     g = torch.Generator().manual_seed(k + bits)
     n, (lo, hi) = 38, (-128, 127) if bits == 8 else (-8, 7)
@@ -63,27 +63,35 @@ def test_int8_activations_are_exact(gemv, bits, k):
         assert_int8_epilogues(lambda x, **kw: gemv.int8_matmul(x, prep, **kw), x_q, w, scale, g)
 
 
-def test_an_activation_of_minus_128(gemv):
-    """VPSIGNB cannot negate an x_q of -128: with int8 weights the kernel declines such a call
-    (status 3, y untouched) and the backend answers it exactly with the float32 GEMMs; the int4
-    per-channel form (weight + 8 against x_q) takes it. Static W8A8 can hand in such values."""
-    g = torch.Generator().manual_seed(3)
-    n, k = 20, 64
-    x_q = torch.randint(-127, 128, (3, k), generator=g, dtype=torch.int8)
-    x_q[1, 7] = -128
-    for bits, want_status in ((8, 3), (4, 0)):
-        w = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
-        w[0, 0] = -8
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_an_activation_of_minus_128(gemv, m):
+    """VPSIGNB cannot negate -128. int8 weights: |w| against x_q with w's sign (form 1) unless the
+    call's x_q holds a -128, then |x_q| against w with x_q's sign (form 2) unless the weights hold
+    a -128 too: that call is declined (status 3, y untouched) and the backend answers it exactly
+    with the float32 GEMMs. int4 per channel (weight + 8 against x_q) takes everything. Static
+    W8A8 hands in such activations; GPTQ writes such weights."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 20, 77
+    x_plain = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    x_min = x_plain.clone()
+    x_min[m - 1, 7] = -128
+    w_plain = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w_min = w_plain.clone()
+    w_min[0, 3] = -128
+    w4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    cases = [(w_min, x_plain, 8, 0), (w_plain, x_min, 8, 0), (w_min, x_min, 8, 3), (w4, x_min, 4, 0)]
+    for w, x_q, bits, want_status in cases:
         prep = gemv.prepare_int8(w, torch.ones(n), bits=bits)
-        assert prep.gemv is not None
-        assert torch.equal(gemv.int8_matmul(x_q, prep).double(), x_q.double() @ w.double().t())
-        y = torch.full((3, n), 7.0)
+        assert prep.gemv is not None and prep.gemv.full_range == bool((w == -128).any())
+        exact = x_q.double() @ w.double().t()
+        assert torch.equal(gemv.int8_matmul(x_q, prep).double(), exact)
+        y = torch.full((m, n), 7.0)
         status = ctypes.c_int(0)
         q = prep.gemv
-        gemv.gemv_lib.wq_int8_gemv(x_q.data_ptr(), 2, 3, k, k, None, q.q.data_ptr(), bits, n, 1, q.gp,
+        gemv.gemv_lib.wq_int8_gemv(x_q.data_ptr(), 2, m, k, k, None, q.q.data_ptr(), bits, q.full_range, n, 1, q.gp,
                                    prep.scale.data_ptr(), None, None, y.data_ptr(), 0, n, 1, ctypes.byref(status))
-        assert status.value == want_status
-        assert torch.equal(y, torch.full((3, n), 7.0)) if want_status else torch.equal(y.double(), x_q.double() @ w.double().t())
+        assert status.value == want_status, (bits, want_status)
+        assert torch.equal(y, torch.full((m, n), 7.0)) if want_status else torch.equal(y.double(), exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,8 +180,7 @@ def test_per_group_sums_are_exact(gemv, k):
     """Two-stage per-group W4A8's weights (int4 in groups of 64; k = 200 in groups of 8, each
     padded to 32 in the layout) with power-of-two group scales: the int32 sum of each group
     times its scale, summed in float32, is exact here, so the kernel equals an int64 oracle bit for
-    bit, 1 to 9 tokens; a row with a -128 is declined (ctypes: None) and the operator's float32
-    GEMMs give the same."""
+    bit, 1 to 9 tokens, a -128 among the activations included."""
     g = torch.Generator().manual_seed(k)
     n, gs = 38, 8 if k == 200 else 64
     w4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
@@ -183,15 +190,12 @@ def test_per_group_sums_are_exact(gemv, k):
     assert prep.gemv is not None and prep.gemv.scale.shape == (n, k // gs)
     x_q = torch.randint(-127, 128, (10, k), generator=g, dtype=torch.int8)
     x_q[0] = -127
-    x_q[9, 3] = -128        # the per-group form takes VPSIGNB: declined, the float32 GEMMs answer
+    x_q[9, 3] = -128        # rows 5-9: |x_q| against the weight with x_q's sign (form 2)
     want = x_q.double() @ (w4.double() * scale.double().repeat_interleave(gs, 1)).t()
     for rows in (slice(0, 1), slice(0, 2), slice(0, 3), slice(0, 5), slice(0, 9), slice(5, 10)):
         if gemv.int8_gemv_op is not None:
             got = gemv.int8_gemv_op(x_q[rows], None, prep.gemv.q, prep.gemv.scale, None, None,
-                                    cpu.ISAS.index(gemv.isa), 4, cpu.GEMV_MAX_M, torch.float32)
+                                    cpu.ISAS.index(gemv.isa), 4, False, cpu.GEMV_MAX_M, torch.float32)
         else:
             got = gemv._int8_gemv(x_q[rows], prep.gemv, prep.gemv.scale, None, None, None, torch.float32)
-            if rows.stop == 10:
-                assert got is None
-                continue
         assert torch.equal(got.double(), want[rows]), rows

@@ -538,7 +538,7 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
  * stride ldy, dtype ydt (0 float32, 1 bfloat16). offset, bias, pertoken may be NULL.
  * Returns through y only; a failed allocation leaves y untouched and sets *status = 1. */
 void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
-                  const void *w, int bits, int64_t n, int64_t groups, int64_t gp, const float *scale,
+                  const void *w, int bits, int wfull, int64_t n, int64_t groups, int64_t gp, const float *scale,
                   const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status);
 
 void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
@@ -546,7 +546,8 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
              const float *scale, const float *offset, const float *bias, const float *pertoken,
              int mode, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
     if (mode == 1 && groups == 1) {     /* per-channel int8 activations: in integers (wq_int8_gemv) */
-        wq_int8_gemv(x, xdt, m, k, ldx, pertoken, w, bits, n, 1, gp, scale, NULL, bias, y, ydt, ldy, nthreads, status);
+        wq_int8_gemv(x, xdt, m, k, ldx, pertoken, w, bits, bits == 8, n, 1, gp, scale, NULL, bias, y, ydt, ldy, nthreads,
+                     status);
         return;
     }
 #if HAVE_AMX
@@ -828,12 +829,15 @@ void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t 
  * ones widens them to int32. The operands are chosen so that no pair sum saturates (|sum| < 2^15):
  *   int4, per channel: unsigned = the weight + 8 (0..15: the nibble XOR 8), signed = x_q: pairs
  *         at most 2 * 15 * 128; the 8 * sum(x_q) this adds is subtracted per token at the end.
- *   int8, and int4 per group: unsigned = |w| (at most 128: -128 included), signed = x_q with
- *         w's sign (VPSIGNB): pairs at most 2 * 128 * 127, as long as no x_q is -128 (which
- *         would not negate). Activations quantized here (or by quant_row's callers) lie in
- *         [-127, 127]; int8 activations handed in (xdt 2) are checked while copied, and a call
- *         where one is -128 returns *status = 3 with y untouched (the callers then take the
- *         exact float32 k-chunk GEMMs).
+ *   int8, and int4 per group, one of two forms (VPSIGNB cannot negate -128), chosen per call:
+ *         form 1: unsigned = |w| (at most 128), signed = x_q with w's sign, while no x_q is -128
+ *                 (activations quantized here lie in [-127, 127]; int8 ones handed in, xdt 2,
+ *                 are checked while copied);
+ *         form 2: unsigned = |x_q|, signed = w with x_q's sign, for a call whose x_q holds a
+ *                 -128, while no weight is -128 (`wfull` = 0: the caller knows its weights;
+ *                 int4 never is). Pairs at most 2 * 128 * 127 either way.
+ *         A call with both (an x_q of -128, int8 weights holding -128) returns *status = 3 with
+ *         y untouched: the callers then take the exact float32 k-chunk GEMMs.
  * Exact while gp * 128 * 128 < 2^31. Output channels in blocks of RB over the threads. */
 static inline int32_t hsum_epi32(__m256i a) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -852,8 +856,8 @@ static inline float hsum_ps256(__m256 a) {
 /* R output channels x MT tokens. Per channel (G = 0): res[r * MT_MAX + t] holds acc as int32 bits
  * (int4: before the 8 * sum(x_q) correction). Per group (G = 1): the scaled float32 sum. */
 static inline __attribute__((always_inline)) void row_tile_int(
-        const int R, const int MT, const int BITS, const int G, const int8_t *xq, int64_t ldb,
-        const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, float *res) {
+        const int R, const int MT, const int BITS, const int G, const int FORM, const int8_t *xq, const uint8_t *xa,
+        int64_t ldb, const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, float *res) {
     __m256i acc[RB][MT_MAX];
     __m256 tot[RB][MT_MAX];
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
@@ -873,11 +877,14 @@ static inline __attribute__((always_inline)) void row_tile_int(
                 } else {
                     w = _mm256_loadu_si256((const __m256i *)(wrow + r * row_bytes + i));
                 }
-                const int plus8 = BITS == 4 && !G;
-                const __m256i wu = plus8 ? w : _mm256_abs_epi8(w);       /* |-128| reads as unsigned 128 */
+                /* FORM 0: int4 + 8 per channel; 1: |w| (|-128| reads as unsigned 128); 2: |x_q| from xa */
+                const __m256i wu = FORM == 1 ? _mm256_abs_epi8(w) : w;
                 for (int t = 0; t < MT; t++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + t * ldb + i));
-                    const __m256i p = _mm256_maddubs_epi16(wu, plus8 ? x : _mm256_sign_epi8(x, w));
+                    const __m256i p = FORM == 0 ? _mm256_maddubs_epi16(wu, x)
+                                    : FORM == 1 ? _mm256_maddubs_epi16(wu, _mm256_sign_epi8(x, w))
+                                    : _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xa + t * ldb + i)),
+                                                           _mm256_sign_epi8(w, x));
                     acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(p, ones));
                 }
             }
@@ -899,12 +906,15 @@ static inline __attribute__((always_inline)) void row_tile_int(
         }
 }
 
-#define TILE_INT(R, M) { if (groups > 1) row_tile_int(R, M, bits, 1, xq, ldb, wrow, row_bytes, groups, gp, srow, res); \
-                         else if (bits == 4) row_tile_int(R, M, 4, 0, xq, ldb, wrow, row_bytes, 1, gp, srow, res); \
-                         else row_tile_int(R, M, 8, 0, xq, ldb, wrow, row_bytes, 1, gp, srow, res); }
+#define TILE_INT(R, M) { \
+    if (form == 0) row_tile_int(R, M, 4, 0, 0, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); \
+    else if (groups > 1 && form == 1) row_tile_int(R, M, 4, 1, 1, xq, xa, ldb, wrow, row_bytes, groups, gp, srow, res); \
+    else if (groups > 1) row_tile_int(R, M, 4, 1, 2, xq, xa, ldb, wrow, row_bytes, groups, gp, srow, res); \
+    else if (form == 1) row_tile_int(R, M, 8, 0, 1, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); \
+    else row_tile_int(R, M, 8, 0, 2, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); }
 
 /* per group: at most 4 tokens a tile (int32 and float32 accumulators both live in registers) */
-static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, int64_t ldb,
+static inline int tile_int(int rows, int mt, int form, const int8_t *xq, const uint8_t *xa, int64_t ldb,
                            const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow,
                            float *res) {
     if (mt == 1 && rows >= 4) { TILE_INT(4, 1) return 4; }
@@ -922,8 +932,9 @@ static inline int tile_int(int rows, int mt, int bits, const int8_t *xq, int64_t
 #undef TILE_INT
 
 void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
-                  const void *w, int bits, int64_t n, int64_t groups, int64_t gp, const float *scale,
+                  const void *w, int bits, int wfull, int64_t n, int64_t groups, int64_t gp, const float *scale,
                   const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    if (groups > 1 && bits != 4) { *status = 2; return; }      /* per group: int4 only */
     const int64_t kp = groups * gp, gsz = k / groups;
     const int grouped = groups > 1;
     const size_t xbytes = ((size_t)(m * kp) + 63) / 64 * 64;
@@ -960,7 +971,12 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
         }
         xs[t] = s;
     }
-    if (signed_x && minus128) { free(xq); free(st); free(xs); free(tmp); *status = 3; return; }
+    const int form = !signed_x ? 0 : !minus128 ? 1 : 2;
+    if (form == 2 && bits == 8 && wfull) { free(xq); free(st); free(xs); free(tmp); *status = 3; return; }
+    uint8_t *xa = form == 2 ? aligned_alloc(64, xbytes) : NULL;      /* |x_q| (form 2) */
+    if (form == 2 && !xa) { free(xq); free(st); free(xs); free(tmp); *status = 1; return; }
+    if (xa)
+        for (int64_t i = 0; i < m * kp; i++) xa[i] = (uint8_t)(xq[i] < 0 ? -xq[i] : xq[i]);
     const int use_st = xdt != 2 || pertoken;
     const int64_t row_bytes = bits == 4 ? kp / 2 : kp, blocks = (n + RB - 1) / RB;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n * kp * (m < 4 ? m : 4) >= (1 << 16))
@@ -971,7 +987,7 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
             const int mt = m - t0 < MT_MAX ? (int)(m - t0) : MT_MAX;
             int mdone = mt;
             for (int64_t jr = j0; jr < j1;) {
-                const int done = tile_int((int)(j1 - jr), mt, bits, xq + t0 * kp, kp,
+                const int done = tile_int((int)(j1 - jr), mt, form, xq + t0 * kp, xa ? xa + t0 * kp : NULL, kp,
                                           (const uint8_t *)w + jr * row_bytes, row_bytes, groups, gp,
                                           scale + jr * groups, res);
                 const int tdone = grouped && mt > 4 && done == 1 ? 4 : mt;     /* tile_int's token cap */
@@ -1000,6 +1016,7 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
         }
     }
     free(xq);
+    free(xa);
     free(st);
     free(xs);
     free(tmp);

@@ -167,7 +167,8 @@ at::Tensor int8_linear(const at::Tensor &x, const c10::optional<at::Tensor> &per
 }
 
 using int8_gemv_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *pertoken,
-                             const void *w, int bits, int64_t n, int64_t groups, int64_t gp, const float *scale,
+                             const void *w, int bits, int wfull, int64_t n, int64_t groups, int64_t gp,
+                             const float *scale,
                              const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads,
                              int *status);
 using quant_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *scale,
@@ -179,16 +180,17 @@ quant_fn g_quant[kSlots] = {};
 // weights in the GEMV layout (runtime/kernels/cpu.py: GemvWeight): q int8 [n, kp] or int4 pairs
 // [n, kp / 2], scale float32 [n] (per channel) or [n, groups] (two-stage per-group W4A8: the group
 // scales multiply each group's int32 sums; no quant_bias). The arguments and outputs as
-// int8_linear's. More than max_m tokens (prefill), or int8 activations the kernel declines
-// (status 3: an x_q of -128 with int8 or per-group weights): per channel, the exact float32 GEMMs over
+// int8_linear's; full_range: the int8 weights hold a -128 (the kernel's choice of form needs it).
+// More than max_m tokens (prefill), or int8 activations the kernel declines (status 3: an x_q of
+// -128 with int8 weights holding -128): per channel, the exact float32 GEMMs over
 // k-chunks of 1024 (reference.exact_int8_matmul's algorithm: ATen's mm on x_q and wq_dequant's
 // integer values, every partial sum an integer below 2^24) and the reference's epilogue in ATen
 // ops, in its order; per group, x_q times the dequantized weight (whole groups per chunk), then
 // * s_t + bias, the reference's two-stage formula.
 at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor> &pertoken, const at::Tensor &q,
                             const at::Tensor &scale, const c10::optional<at::Tensor> &quant_bias,
-                            const c10::optional<at::Tensor> &bias, int64_t isa, int64_t bits, int64_t max_m,
-                            c10::optional<at::ScalarType> out_dtype) {
+                            const c10::optional<at::Tensor> &bias, int64_t isa, int64_t bits, bool full_range,
+                            int64_t max_m, c10::optional<at::ScalarType> out_dtype) {
     TORCH_CHECK(isa >= 0 && isa < kSlots && g_int8_gemv[isa] && g_quant[isa] && g_dequant[isa],
                 "ascend_quant_cpu::int8_gemv_linear: the GEMV build ", isa, " is not loaded in this process");
     const int64_t k = x.size(-1), n = q.size(0), kp = q.size(1) * (bits == 4 ? 2 : 1);
@@ -198,7 +200,8 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
     TORCH_CHECK(q.dtype() == at::kChar && q.is_contiguous() && (bits == 4 || bits == 8) && kp % groups == 0
                 && gp % 32 == 0 && gp >= gsz && gp - gsz < 32,
                 "ascend_quant_cpu::int8_gemv_linear: the weight does not hold ", k, " in-features");
-    TORCH_CHECK(groups == 1 || !quant_bias.has_value(), "ascend_quant_cpu::int8_gemv_linear: quant_bias is per channel");
+    TORCH_CHECK(groups == 1 || (!quant_bias.has_value() && bits == 4),
+                "ascend_quant_cpu::int8_gemv_linear: per-group weights are int4, without quant_bias");
     const Int8Args a = int8_args("ascend_quant_cpu::int8_gemv_linear", x, pertoken, quant_bias, bias, n, out_dtype);
     const int64_t m = a.m;
     auto chunked = [&]() -> at::Tensor {
@@ -246,10 +249,10 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
     if (m > max_m) return chunked();
     int status = 0;
     g_int8_gemv[isa](a.x2.data_ptr(), a.xdt(), m, k, a.x2.stride(0), a.pt.has_value() ? a.pt->data_ptr<float>() : nullptr,
-                     q.data_ptr(), (int)bits, n, groups, gp, scale.data_ptr<float>(),
+                     q.data_ptr(), (int)bits, full_range ? 1 : 0, n, groups, gp, scale.data_ptr<float>(),
                      a.qb.has_value() ? a.qb->data_ptr<int32_t>() : nullptr, opt_ptr(a.b), a.y.data_ptr(), a.ydt(), n,
                      at::get_num_threads(), &status);
-    if (status == 3) return chunked();      // an int8 x_q of -128 with int8 or per-group weights (wq_gemv.c)
+    if (status == 3) return chunked();      // an int8 x_q of -128 with int8 weights holding -128 (wq_gemv.c)
     TORCH_CHECK(status == 0, "ascend_quant_cpu::int8_gemv_linear: could not allocate its activation buffer");
     return a.result();
 }
@@ -281,7 +284,7 @@ TORCH_LIBRARY(ascend_quant_cpu, m) {
     m.def("int8_linear(Tensor x, Tensor? pertoken, Tensor wp, Tensor scale, Tensor? quant_bias, Tensor? bias, "
           "int n, ScalarType? out_dtype) -> Tensor");
     m.def("int8_gemv_linear(Tensor x, Tensor? pertoken, Tensor q, Tensor scale, Tensor? quant_bias, Tensor? bias, "
-          "int isa, int bits, int max_m, ScalarType? out_dtype) -> Tensor");
+          "int isa, int bits, bool full_range, int max_m, ScalarType? out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ascend_quant_cpu, CPU, m) {

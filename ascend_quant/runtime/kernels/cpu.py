@@ -11,8 +11,8 @@ The int8 x int8 product is exact on every path; which one runs (`gemm`):
   * "gemv": our integer GEMV (`native/wq_gemv.c`: wq_int8_gemv, through the C++ operator
     `ascend_quant_cpu::int8_gemv_linear`), the default without VNNI: AVX2's VPMADDUBSW with
     operands that cannot saturate (int4: the weight + 8 against x_q; int8: |w| against x_q with
-    w's sign, so an int8 x_q of -128, which our dynamic quantizer never gives, sends that call
-    to the float32 GEMMs below), exact int32 sums, the reference's epilogue, the weights read
+    w's sign, or for a call whose x_q holds a -128 |x_q| against w with x_q's sign; a call with
+    both an x_q and a weight of -128 goes to the float32 GEMMs below), exact int32 sums, the reference's epilogue, the weights read
     once per call in the GEMV layout (one int8 byte or half a byte per weight); the dynamic
     quantizer inside the same call, as on "amx";
   * "f32": float32 GEMMs over k-chunks of 1024 (`reference.exact_int8_matmul`; exact because
@@ -207,6 +207,7 @@ class GemvWeight:
     k: int
     group_size: int
     gp: int
+    full_range: bool = False        # int8 values hold -128 (wq_int8_gemv's choice of form needs it)
     _args: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -224,7 +225,7 @@ class GemvWeight:
             w = w.view(n, -1, 2, 16)
             w = ((w[:, :, 0] & 0xF) | (w[:, :, 1] << 4)).reshape(n, -1)
         off = None if offset is None else offset.float().reshape(n, groups).contiguous()
-        return cls(w.contiguous(), scale, off, bits, k, gsz, gp)
+        return cls(w.contiguous(), scale, off, bits, k, gsz, gp, bits == 8 and bool((q == -128).any()))
 
     @property
     def n(self) -> int:
@@ -305,7 +306,7 @@ def _int8_op(isa: str, gemv_lib):
 def _register_int8_gemv_fake() -> None:
     """The output's shape and dtype of `int8_gemv_linear` for tracing (vLLM's compiled mode)."""
     @torch.library.register_fake("ascend_quant_cpu::int8_gemv_linear")
-    def _(x, pertoken, q, scale, quant_bias, bias, isa, bits, max_m, out_dtype):
+    def _(x, pertoken, q, scale, quant_bias, bias, isa, bits, full_range, max_m, out_dtype):
         dt = out_dtype if out_dtype is not None else (torch.float32 if x.dtype == torch.int8 else x.dtype)
         return x.new_empty((*x.shape[:-1], q.shape[0]), dtype=dt)
 
@@ -629,14 +630,14 @@ class CpuBackend(ReferenceBackend):
     def _int8_gemv(self, x2, g: GemvWeight, scale, pertoken, quant_bias, bias, out_dtype):
         """`wq_int8_gemv` through ctypes (`ASCEND_QUANT_CPU_OP=0`) on x_q [m, k], contiguous int8;
         scale float32 [n] (per channel) or g.scale [n, groups]. None where the kernel declines
-        x_q (a -128 with int8 or per-group weights): the caller takes the float32 GEMMs."""
+        x_q (a -128 with int8 weights holding -128): the caller takes the float32 GEMMs."""
         m = x2.shape[0]
         y = torch.empty((m, g.n), dtype=out_dtype if out_dtype in _YDT else torch.float32)
         f = lambda t, dt: None if t is None else t.to(dt).reshape(-1).contiguous()  # noqa: E731
         pt, qb, b = f(pertoken, torch.float32), f(quant_bias, torch.int32), f(bias, torch.float32)
         status = ctypes.c_int(0)
         self.gemv_lib.wq_int8_gemv(x2.data_ptr(), _XDT[x2.dtype], m, g.k, x2.stride(0),
-                                   None if pt is None else pt.data_ptr(), g.q.data_ptr(), g.bits, g.n,
+                                   None if pt is None else pt.data_ptr(), g.q.data_ptr(), g.bits, g.full_range, g.n,
                                    g.scale.shape[1], g.gp, scale.data_ptr(), None if qb is None else qb.data_ptr(),
                                    None if b is None else b.data_ptr(), y.data_ptr(), _YDT.get(y.dtype, 0), g.n,
                                    torch.get_num_threads(), ctypes.byref(status))
@@ -651,7 +652,7 @@ class CpuBackend(ReferenceBackend):
             return self.int8_op(x_q, pertoken_scale, w.amx.wp, w.scale, quant_bias, bias, w.n, out_dtype)
         if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None:
             return self.int8_gemv_op(x_q, pertoken_scale, w.gemv.q, w.scale, quant_bias, bias, ISAS.index(self.isa),
-                                     w.gemv.bits, GEMV_MAX_M, out_dtype)
+                                     w.gemv.bits, w.gemv.full_range, GEMV_MAX_M, out_dtype)
         lead = x_q.shape[:-1]
         x2 = x_q if x_q.dim() == 2 and x_q.is_contiguous() else x_q.reshape(-1, x_q.shape[-1]).contiguous()
         if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and x2.shape[0] <= GEMV_MAX_M:
@@ -709,7 +710,7 @@ class CpuBackend(ReferenceBackend):
         if (w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None
                 and x.dtype in (torch.float32, torch.bfloat16)):
             return self.int8_gemv_op(x, None, w.gemv.q, w.scale, None, bias, ISAS.index(self.isa), w.gemv.bits,
-                                     GEMV_MAX_M, out_dtype or x.dtype)
+                                     w.gemv.full_range, GEMV_MAX_M, out_dtype or x.dtype)
         return super().int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
 
     def grouped_int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
@@ -722,12 +723,13 @@ class CpuBackend(ReferenceBackend):
         if g is None or g.offset is not None or g.bits != 4 or x.dtype not in (torch.float32, torch.bfloat16):
             return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
         if self.int8_gemv_op is not None:
-            return self.int8_gemv_op(x, None, g.q, g.scale, None, bias, ISAS.index(self.isa), 4, GEMV_MAX_M, out_dtype)
+            return self.int8_gemv_op(x, None, g.q, g.scale, None, bias, ISAS.index(self.isa), 4, False, GEMV_MAX_M,
+                                     out_dtype)
         x_q, s_t = self.quantize_dynamic(x.reshape(-1, x.shape[-1]))
         if x_q.shape[0] > GEMV_MAX_M:
             return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
         y = self._int8_gemv(x_q, g, g.scale, s_t, None, bias, out_dtype)
-        if y is None:       # declined x_q (a -128), which this quantizer never gives
+        if y is None:       # declined: cannot happen for int4 weights
             return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
         return y.reshape(*x.shape[:-1], -1)
 
