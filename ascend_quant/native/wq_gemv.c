@@ -935,6 +935,7 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
                   const void *w, int bits, int wfull, int64_t n, int64_t groups, int64_t gp, const float *scale,
                   const int32_t *qbias, const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
     if (groups > 1 && bits != 4) { *status = 2; return; }      /* per group: int4 only */
+    if (m <= 0) return;
     const int64_t kp = groups * gp, gsz = k / groups;
     const int grouped = groups > 1;
     const size_t xbytes = ((size_t)(m * kp) + 63) / 64 * 64;

@@ -246,6 +246,7 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
         if (a.b.has_value()) yf.add_(*a.b);
         return yf.to(a.want).view(a.shape);
     };
+    if (m == 0) return a.result();          // nothing to compute (and no zero-byte buffers)
     if (m > max_m) return chunked();
     int status = 0;
     g_int8_gemv[isa](a.x2.data_ptr(), a.xdt(), m, k, a.x2.stride(0), a.pt.has_value() ? a.pt->data_ptr<float>() : nullptr,
