@@ -658,12 +658,12 @@ class CpuBackend(ReferenceBackend):
         if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and x2.shape[0] <= GEMV_MAX_M:
             y = self._int8_gemv(x2, w.gemv, w.scale, pertoken_scale, quant_bias, bias, out_dtype)
             if y is not None:
-                return y.reshape(*lead, -1)
+                return y.reshape(*lead, w.n)
         # oneDNN first where it runs: with VNNI it beat the float-lane GEMV on int4 weights at
         # every token count measured (1 to 16)
         if (w.gemv is not None and w.gemv.bits == 4 and w.onednn is None and x2.shape[0] <= GEMV_MAX_M
                 and quant_bias is None and self.gemv_lib is not None):
-            return _gemv(self.gemv_lib, w.gemv, x2, 1, out_dtype, bias, pertoken_scale).reshape(*lead, -1)
+            return _gemv(self.gemv_lib, w.gemv, x2, 1, out_dtype, bias, pertoken_scale).reshape(*lead, w.n)
         if w.onednn is not None and quant_bias is None:
             dt = _onednn_out_dtype(out_dtype, bias is not None)
             handler = w.onednn.get(dt)
@@ -700,7 +700,7 @@ class CpuBackend(ReferenceBackend):
                 end = min(start + EXACT_F32_CHUNK, x.shape[-1])
                 part = (x[:, start:end] @ w.chunk(start, end)).to(torch.int32)
                 acc = part if acc is None else acc + part
-        return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
+        return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, w.n)
 
     def int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
         """int8_matmul(*quantize_dynamic(x)): on the "amx" GEMM one operator call that quantizes
@@ -731,7 +731,7 @@ class CpuBackend(ReferenceBackend):
         y = self._int8_gemv(x_q, g, g.scale, s_t, None, bias, out_dtype)
         if y is None:       # declined: cannot happen for int4 weights
             return super().grouped_int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
-        return y.reshape(*x.shape[:-1], -1)
+        return y.reshape(*x.shape[:-1], g.n)
 
     def traceable(self, linear) -> bool:
         """Whether `linear`'s forward is torch ops only, so that vLLM's compiled mode may trace it
