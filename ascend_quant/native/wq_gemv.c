@@ -148,19 +148,25 @@ static inline __attribute__((always_inline)) void row_tile(
 #define TILE(R, M) { if (bits == 4) row_tile(R, M, 4, xb, ldb, wrow, row_bytes, groups, gp, srow, per_group, exact, res); \
                      else row_tile(R, M, 8, xb, ldb, wrow, row_bytes, groups, gp, srow, per_group, exact, res); }
 
-/* rows: how many output channels (RB, or fewer at the end of n); returns how many it did */
+/* The register tile for `rows` output channels (RB, or fewer at the end of n) and `mt` tokens:
+ * 4 x 1 for one token, 2 x mt for up to 3, else 1 x mt (mt <= MT_MAX). Runs TILE_FN(R, MT) and
+ * returns R, the channels it did. Shared by the float, bfloat16 and integer tiles below. */
+#define PICK_TILE(TILE_FN) \
+    if (mt == 1 && rows >= 4) { TILE_FN(4, 1) return 4; } \
+    if (mt <= 3 && rows >= 2) { \
+        switch (mt) { case 1: TILE_FN(2, 1) break; case 2: TILE_FN(2, 2) break; default: TILE_FN(2, 3) } \
+        return 2; \
+    } \
+    switch (mt) { \
+        case 1: TILE_FN(1, 1) break; case 2: TILE_FN(1, 2) break; case 3: TILE_FN(1, 3) break; \
+        case 4: TILE_FN(1, 4) break; case 5: TILE_FN(1, 5) break; case 6: TILE_FN(1, 6) break; \
+        case 7: TILE_FN(1, 7) break; default: TILE_FN(1, 8) \
+    } \
+    return 1;
+
 static inline int tile(int rows, int mt, int bits, const float *xb, int64_t ldb, const void *wrow, int64_t row_bytes,
                        int64_t groups, int64_t gp, const float *srow, int per_group, int exact, float *res) {
-    if (mt == 1 && rows >= 4) { TILE(4, 1) return 4; }
-    if (mt <= 3 && rows >= 2) {
-        switch (mt) { case 1: TILE(2, 1) break; case 2: TILE(2, 2) break; default: TILE(2, 3) }
-        return 2;
-    }
-    switch (mt) {
-        case 1: TILE(1, 1) break; case 2: TILE(1, 2) break; case 3: TILE(1, 3) break; case 4: TILE(1, 4) break;
-        case 5: TILE(1, 5) break; case 6: TILE(1, 6) break; case 7: TILE(1, 7) break; default: TILE(1, 8)
-    }
-    return 1;
+    PICK_TILE(TILE)
 }
 #undef TILE
 
@@ -248,16 +254,7 @@ static inline __attribute__((always_inline)) void row_tile_bf16(
 
 static inline int tile_bf16(int rows, int mt, int bits, const uint16_t *xb, int64_t ldb, int64_t gq, const void *wrow,
                             int64_t row_bytes, int64_t groups, int64_t gp, const float *srow, int per_group, float *res) {
-    if (mt == 1 && rows >= 4) { TILE_BF(4, 1) return 4; }
-    if (mt <= 3 && rows >= 2) {
-        switch (mt) { case 1: TILE_BF(2, 1) break; case 2: TILE_BF(2, 2) break; default: TILE_BF(2, 3) }
-        return 2;
-    }
-    switch (mt) {
-        case 1: TILE_BF(1, 1) break; case 2: TILE_BF(1, 2) break; case 3: TILE_BF(1, 3) break; case 4: TILE_BF(1, 4) break;
-        case 5: TILE_BF(1, 5) break; case 6: TILE_BF(1, 6) break; case 7: TILE_BF(1, 7) break; default: TILE_BF(1, 8)
-    }
-    return 1;
+    PICK_TILE(TILE_BF)
 }
 #undef TILE_BF
 #define BF16_SLOT(q) bf16_slot(q)
@@ -913,21 +910,10 @@ static inline __attribute__((always_inline)) void row_tile_int(
     else if (form == 1) row_tile_int(R, M, 8, 0, 1, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); \
     else row_tile_int(R, M, 8, 0, 2, xq, xa, ldb, wrow, row_bytes, 1, gp, srow, res); }
 
-/* per group: at most 4 tokens a tile (int32 and float32 accumulators both live in registers) */
 static inline int tile_int(int rows, int mt, int form, const int8_t *xq, const uint8_t *xa, int64_t ldb,
                            const uint8_t *wrow, int64_t row_bytes, int64_t groups, int64_t gp, const float *srow,
                            float *res) {
-    if (mt == 1 && rows >= 4) { TILE_INT(4, 1) return 4; }
-    if (mt <= 3 && rows >= 2) {
-        switch (mt) { case 1: TILE_INT(2, 1) break; case 2: TILE_INT(2, 2) break; default: TILE_INT(2, 3) }
-        return 2;
-    }
-    if (groups > 1 && mt > 4) mt = 4;
-    switch (mt) {
-        case 1: TILE_INT(1, 1) break; case 2: TILE_INT(1, 2) break; case 3: TILE_INT(1, 3) break; case 4: TILE_INT(1, 4) break;
-        case 5: TILE_INT(1, 5) break; case 6: TILE_INT(1, 6) break; case 7: TILE_INT(1, 7) break; default: TILE_INT(1, 8)
-    }
-    return 1;
+    PICK_TILE(TILE_INT)
 }
 #undef TILE_INT
 
@@ -984,18 +970,17 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t j0 = b * RB, j1 = j0 + RB < n ? j0 + RB : n;
         float res[RB * MT_MAX];
-        for (int64_t t0 = 0; t0 < m;) {
-            const int mt = m - t0 < MT_MAX ? (int)(m - t0) : MT_MAX;
-            int mdone = mt;
+        /* per group at most 4 tokens a tile: its int32 and float32 accumulators both stay in registers */
+        const int mt_max = grouped ? 4 : MT_MAX;
+        for (int64_t t0 = 0; t0 < m; t0 += mt_max) {
+            const int mt = m - t0 < mt_max ? (int)(m - t0) : mt_max;
             for (int64_t jr = j0; jr < j1;) {
                 const int done = tile_int((int)(j1 - jr), mt, form, xq + t0 * kp, xa ? xa + t0 * kp : NULL, kp,
                                           (const uint8_t *)w + jr * row_bytes, row_bytes, groups, gp,
                                           scale + jr * groups, res);
-                const int tdone = grouped && mt > 4 && done == 1 ? 4 : mt;     /* tile_int's token cap */
-                mdone = tdone;
                 for (int r = 0; r < done; r++) {
                     const int64_t j = jr + r;
-                    for (int t = 0; t < tdone; t++) {
+                    for (int t = 0; t < mt; t++) {
                         float v;
                         if (grouped) {
                             v = res[r * MT_MAX + t];
@@ -1013,7 +998,6 @@ void wq_int8_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, con
                 }
                 jr += done;
             }
-            t0 += mdone;
         }
     }
     free(xq);

@@ -52,6 +52,26 @@ const float *opt_ptr(const c10::optional<at::Tensor> &t) {
     return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// xf [m, k] float32 @ (the GEMV layout's weights, wq_dequant: (q - offset) * scale)^T, as
+// float32 GEMMs (ATen's mm) over k-chunks of `step` in-features converted one at a time. With
+// `exact_int` (per-channel integer weights, scale 1, step <= kChunk) each chunk's product is an
+// integer below 2^24, held exactly in float32, and the chunks are summed as int32.
+at::Tensor dequant_mm(int64_t isa, const at::Tensor &xf, const at::Tensor &q, int64_t bits, int64_t n, int64_t groups,
+                      int64_t gsz, int64_t gp, const float *scale, const float *offset, int64_t step, bool exact_int) {
+    const int64_t k = xf.size(1);
+    at::Tensor w = at::empty({n, std::min(step, k)}, xf.options()), y;
+    for (int64_t start = 0; start < k; start += step) {
+        const int64_t end = std::min(start + step, k);
+        at::Tensor wc = w.narrow(1, 0, end - start);
+        g_dequant[isa](q.data_ptr(), (int)bits, n, groups, gsz, gp, scale, offset, start, end, wc.data_ptr<float>(),
+                       w.stride(0), at::get_num_threads());
+        at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t());
+        if (exact_int) part = part.to(at::kInt);
+        y = start == 0 ? part : y.add_(part);
+    }
+    return y;
+}
+
 at::Tensor wq_linear(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale,
                      const c10::optional<at::Tensor> &offset, const c10::optional<at::Tensor> &bias, int64_t isa,
                      int64_t bits, int64_t k, int64_t group_size, int64_t gp, int64_t max_m) {
@@ -85,18 +105,8 @@ at::Tensor wq_linear(const at::Tensor &x, const at::Tensor &q, const at::Tensor 
         return (y.scalar_type() == out_dtype ? y : y.to(out_dtype)).view(shape);
     }
     // larger batches: float32 GEMMs over dequantized k-chunks (whole groups per chunk)
-    const at::Tensor xf = x2.to(at::kFloat);
-    const int64_t step = std::max(group_size, kChunk / group_size * group_size);
-    at::Tensor w = at::empty({n, std::min(step, k)}, xf.options());
-    at::Tensor y;
-    for (int64_t start = 0; start < k; start += step) {
-        const int64_t end = std::min(start + step, k);
-        at::Tensor wc = w.narrow(1, 0, end - start);
-        g_dequant[isa](q.data_ptr(), (int)bits, n, groups, group_size, gp, scale.data_ptr<float>(), opt_ptr(offset),
-                       start, end, wc.data_ptr<float>(), w.stride(0), threads);
-        at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t());
-        y = start == 0 ? part : y.add_(part);
-    }
+    at::Tensor y = dequant_mm(isa, x2.to(at::kFloat), q, bits, n, groups, group_size, gp, scale.data_ptr<float>(),
+                              opt_ptr(offset), std::max(group_size, kChunk / group_size * group_size), false);
     if (b.has_value()) y.add_(*b);
     return y.to(out_dtype).view(shape);
 }
@@ -215,33 +225,16 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
             st = a.pt->reshape({-1, 1});
         }
         const at::Tensor xf = xq.to(at::kFloat);
+        at::Tensor yf;
         if (groups > 1) {
-            const int64_t step = std::max(gsz, kChunk / gsz * gsz);
-            at::Tensor w = at::empty({n, std::min(step, k)}, xf.options()), yf;
-            for (int64_t start = 0; start < k; start += step) {
-                const int64_t end = std::min(start + step, k);
-                at::Tensor wc = w.narrow(1, 0, end - start);
-                g_dequant[isa](q.data_ptr(), (int)bits, n, groups, gsz, gp, scale.data_ptr<float>(), nullptr, start,
-                               end, wc.data_ptr<float>(), w.stride(0), at::get_num_threads());
-                at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t());
-                yf = start == 0 ? part : yf.add_(part);
-            }
-            if (st.defined()) yf.mul_(st);
-            if (a.b.has_value()) yf.add_(*a.b);
-            return yf.to(a.want).view(a.shape);
+            yf = dequant_mm(isa, xf, q, bits, n, groups, gsz, gp, scale.data_ptr<float>(), nullptr,
+                            std::max(gsz, kChunk / gsz * gsz), false);
+        } else {
+            const at::Tensor ones = at::ones({n, 1}, scale.options());
+            at::Tensor acc = dequant_mm(isa, xf, q, bits, n, 1, k, kp, ones.data_ptr<float>(), nullptr, kChunk, true);
+            if (a.qb.has_value()) acc.add_(*a.qb);
+            yf = acc.to(at::kFloat).mul_(scale);
         }
-        const at::Tensor ones = at::ones({n, 1}, scale.options());
-        at::Tensor w = at::empty({n, std::min(kChunk, k)}, xf.options()), acc;
-        for (int64_t start = 0; start < k; start += kChunk) {
-            const int64_t end = std::min(start + kChunk, k);
-            at::Tensor wc = w.narrow(1, 0, end - start);
-            g_dequant[isa](q.data_ptr(), (int)bits, n, 1, k, kp, ones.data_ptr<float>(), nullptr, start, end,
-                           wc.data_ptr<float>(), w.stride(0), at::get_num_threads());
-            at::Tensor part = at::mm(xf.narrow(1, start, end - start), wc.t()).to(at::kInt);
-            acc = start == 0 ? part : acc.add_(part);
-        }
-        if (a.qb.has_value()) acc.add_(*a.qb);
-        at::Tensor yf = acc.to(at::kFloat).mul_(scale);
         if (st.defined()) yf.mul_(st);
         if (a.b.has_value()) yf.add_(*a.b);
         return yf.to(a.want).view(a.shape);
