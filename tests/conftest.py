@@ -121,3 +121,21 @@ def assert_int8_epilogues(matmul, x_q, w, scale, g: torch.Generator) -> None:
             want = int8_oracle(x_q, w, scale, s_t=kw.get("pertoken_scale"), qbias=kw.get("quant_bias"),
                                bias=kw.get("bias"), out_dtype=out_dtype)
             assert got.dtype == out_dtype and torch.equal(got, want), (m, out_dtype, list(kw))
+
+
+def assert_quantized_inside(backend, x, w, bits: int, g: torch.Generator) -> None:
+    """`backend.int8_matmul_dynamic` on float activations x [40, k] (the quantizer inside the
+    call) equals numerics' per-token quantizer followed by int8_oracle bit for bit, with a bias, in
+    x's dtype; a [4, 10, k] input keeps its leading shape."""
+    from ascend_quant import numerics
+
+    n, k = w.shape
+    scale = torch.rand(n, generator=g) * 0.01
+    bias = torch.randn(n, generator=g)
+    prep = backend.prepare_int8(w, scale, bits=bits)
+    x_q, s_t = numerics.quantize_activation_dynamic(x)
+    want = int8_oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=x.dtype)
+    got = backend.int8_matmul_dynamic(x, prep, bias=bias)
+    assert got.dtype == x.dtype and torch.equal(got, want)
+    got3 = backend.int8_matmul_dynamic(x.reshape(4, 10, k), prep, bias=bias)
+    assert got3.shape == (4, 10, n) and torch.equal(got3.reshape(40, n), want)

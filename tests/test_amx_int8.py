@@ -19,7 +19,8 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMM_ENV, AmxInt8Weight, CpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
-from conftest import assert_int8_epilogues, int8_oracle, int8_scheme_tensors, rounding_boundaries
+from conftest import (assert_int8_epilogues, assert_quantized_inside, int8_oracle, int8_scheme_tensors,
+                      rounding_boundaries)
 
 HAS_AMX = cpu.cpu_has_amx_int8() and cpu.cpu_isa() == "amx"
 
@@ -88,15 +89,7 @@ def test_quantized_inside_the_call(amx, dtype, k_tail):
     n, k = 70, x.shape[1]
     g = torch.Generator().manual_seed(k)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, generator=g) * 0.01
-    bias = torch.randn(n, generator=g)
-    prep = amx.prepare_int8(w, scale)
-    x_q, s_t = numerics.quantize_activation_dynamic(x)
-    want = int8_oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=dtype)
-    got = amx.int8_matmul_dynamic(x, prep, bias=bias)
-    assert got.dtype == dtype and torch.equal(got, want)
-    got3 = amx.int8_matmul_dynamic(x.reshape(4, 10, k), prep, bias=bias)
-    assert got3.shape == (4, 10, n) and torch.equal(got3.reshape(40, n), want)
+    assert_quantized_inside(amx, x, w, 8, g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

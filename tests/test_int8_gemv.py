@@ -20,7 +20,8 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
-from conftest import assert_int8_epilogues, int8_oracle, int8_scheme_tensors, rounding_boundaries
+from conftest import (assert_int8_epilogues, assert_quantized_inside, int8_oracle, int8_scheme_tensors,
+                      rounding_boundaries)
 
 ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu.cpu_isa()):-1])        # this CPU's widest down to avx2
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,15 +107,7 @@ def test_quantized_inside_the_call(gemv, dtype, bits):
     g = torch.Generator().manual_seed(k)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) if bits == 8 else \
         torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, generator=g) * 0.01
-    bias = torch.randn(n, generator=g)
-    prep = gemv.prepare_int8(w, scale, bits=bits)
-    x_q, s_t = numerics.quantize_activation_dynamic(x)
-    want = int8_oracle(x_q, w, scale, s_t=s_t, bias=bias, out_dtype=dtype)
-    got = gemv.int8_matmul_dynamic(x, prep, bias=bias)
-    assert got.dtype == dtype and torch.equal(got, want)
-    got3 = gemv.int8_matmul_dynamic(x.reshape(4, 10, k), prep, bias=bias)
-    assert got3.shape == (4, 10, n) and torch.equal(got3.reshape(40, n), want)
+    assert_quantized_inside(gemv, x, w, bits, g)
 
 
 def test_two_threads_give_one_threads_result(gemv):

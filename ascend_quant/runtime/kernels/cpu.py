@@ -12,9 +12,9 @@ The int8 x int8 product is exact on every path; which one runs (`gemm`):
     `ascend_quant_cpu::int8_gemv_linear`), the default without VNNI: AVX2's VPMADDUBSW with
     operands that cannot saturate (int4: the weight + 8 against x_q; int8: |w| against x_q with
     w's sign, or for a call whose x_q holds a -128 |x_q| against w with x_q's sign; a call with
-    both an x_q and a weight of -128 goes to the float32 GEMMs below), exact int32 sums, the reference's epilogue, the weights read
-    once per call in the GEMV layout (one int8 byte or half a byte per weight); the dynamic
-    quantizer inside the same call, as on "amx";
+    both an x_q and a weight of -128 goes to the float32 GEMMs below), exact int32 sums, the
+    reference's epilogue, the weights read once per call in the GEMV layout (one int8 byte or
+    half a byte per weight); the dynamic quantizer inside the same call, as on "amx";
   * "f32": float32 GEMMs over k-chunks of 1024 (`reference.exact_int8_matmul`; exact because
     every partial sum stays an integer below 2^24), where "gemv" cannot run (no C compiler):
     measured on an AVX2 CPU (1 thread, 512x576x1536) MKL's sgemm is ~20x faster than
@@ -32,8 +32,8 @@ without VNNI is refused: its results would be wrong.
 
 Decode and small batches (at most `GEMV_MAX_M` tokens) of the weight-only schemes run our C
 GEMV (`native/wq_gemv.c`): it reads the int8 / int4 weights once per call and converts them
-in registers. Its AMX build (AMX-BF16 tiles for bfloat16
-activations from 4 tokens on, prefill included: the weights converted per block of 32 output
+in registers. Its AMX build (AMX-BF16 tiles for bfloat16 activations from 4 tokens on,
+prefill included: the weights converted per block of 32 output
 channels into a panel every tile of tokens reuses), AVX-512-BF16 (bfloat16 activations through
 VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CPU_ISA=avx2`
 (or `amx`, `avx512bf16`, `avx512`, `off`) forces one, so each narrower path is tested on wider
@@ -627,6 +627,11 @@ class CpuBackend(ReferenceBackend):
         weight_t = numerics.pack_int4(weight.t().contiguous()) if packed else weight.t().contiguous()
         return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
 
+    def _on_int8_gemv(self, w) -> bool:
+        """Whether int8 weight `w` runs on the integer GEMV: the "gemv" GEMM, which prepared it in the
+        GEMV layout (`prepare_int8`; never with a oneDNN handler)."""
+        return self.gemm == "gemv" and w.gemv is not None
+
     def _int8_gemv(self, x2, g: GemvWeight, scale, pertoken, quant_bias, bias, out_dtype):
         """`wq_int8_gemv` through ctypes (`ASCEND_QUANT_CPU_OP=0`) on x_q [m, k], contiguous int8;
         scale float32 [n] (per channel) or g.scale [n, groups]. None where the kernel declines
@@ -650,12 +655,12 @@ class CpuBackend(ReferenceBackend):
     def int8_matmul(self, x_q, w, *, pertoken_scale=None, quant_bias=None, bias=None, out_dtype=torch.float32):
         if w.amx is not None:
             return self.int8_op(x_q, pertoken_scale, w.amx.wp, w.scale, quant_bias, bias, w.n, out_dtype)
-        if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None:
+        if self._on_int8_gemv(w) and self.int8_gemv_op is not None:
             return self.int8_gemv_op(x_q, pertoken_scale, w.gemv.q, w.scale, quant_bias, bias, ISAS.index(self.isa),
                                      w.gemv.bits, w.gemv.full_range, GEMV_MAX_M, out_dtype)
         lead = x_q.shape[:-1]
         x2 = x_q if x_q.dim() == 2 and x_q.is_contiguous() else x_q.reshape(-1, x_q.shape[-1]).contiguous()
-        if w.gemv is not None and w.onednn is None and self.gemm == "gemv" and x2.shape[0] <= GEMV_MAX_M:
+        if self._on_int8_gemv(w) and x2.shape[0] <= GEMV_MAX_M:
             y = self._int8_gemv(x2, w.gemv, w.scale, pertoken_scale, quant_bias, bias, out_dtype)
             if y is not None:
                 return y.reshape(*lead, w.n)
@@ -707,8 +712,7 @@ class CpuBackend(ReferenceBackend):
         x inside (the same quantizer, so the same values bit for bit)."""
         if w.amx is not None and x.dtype in (torch.float32, torch.bfloat16):
             return self.int8_op(x, None, w.amx.wp, w.scale, None, bias, w.n, out_dtype or x.dtype)
-        if (w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None
-                and x.dtype in (torch.float32, torch.bfloat16)):
+        if self._on_int8_gemv(w) and self.int8_gemv_op is not None and x.dtype in (torch.float32, torch.bfloat16):
             return self.int8_gemv_op(x, None, w.gemv.q, w.scale, None, bias, ISAS.index(self.isa), w.gemv.bits,
                                      w.gemv.full_range, GEMV_MAX_M, out_dtype or x.dtype)
         return super().int8_matmul_dynamic(x, w, bias=bias, out_dtype=out_dtype)
@@ -747,8 +751,8 @@ class CpuBackend(ReferenceBackend):
             # W8A16, W4A16: `wq_linear`; two-stage W4A8: `int8_gemv_linear`, quantizer inside (both
             # operators come from the same library: loaded together or not at all)
             return w.gemv is not None and self.wq_op is not None
-        if isinstance(w, CpuInt8Weight) and (w.amx is not None or (
-                w.gemv is not None and w.onednn is None and self.gemm == "gemv" and self.int8_gemv_op is not None)):
+        if isinstance(w, CpuInt8Weight) and (
+                w.amx is not None or (self._on_int8_gemv(w) and self.int8_gemv_op is not None)):
             # the AMX-INT8 or integer-GEMV operator, which quantizes dynamic activations inside. Not
             # static W8A8: traced, its quantizer's `x * (1/s) + o` is fused into one FMA by
             # inductor, which rounds some values the other way (measured: a different greedy token)
