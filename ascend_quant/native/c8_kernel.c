@@ -44,16 +44,40 @@ static inline void st(void *p, int64_t i, int dt, float x) {
     ((uint16_t *)p)[i] = (uint16_t)(r >> 16);
 }
 
-static inline int8_t quant1(float x, float s) {
-    float q = nearbyintf(x / s);
-    q = q < -128.f ? -128.f : (q > 127.f ? 127.f : q);
-    return (int8_t)q;
+/* dst[d] = clamp(round_half_even(x[d] / s[d]), -128, 127) for one head's D values of a K or V row
+ * (x float32 or bf16 at src + off); the division, not a reciprocal, as the reference quantizes. */
+static void quant_row(const void *src, int64_t off, int dt, const float *s, int8_t *dst, int D) {
+    float x[D];
+    if (dt == 0) {
+        const float *f = (const float *)src + off;
+#pragma omp simd
+        for (int d = 0; d < D; d++) x[d] = f[d];
+    } else {
+        const uint16_t *b = (const uint16_t *)src + off;
+#pragma omp simd
+        for (int d = 0; d < D; d++) {
+            union { uint32_t u; float f; } c;
+            c.u = (uint32_t)b[d] << 16;
+            x[d] = c.f;
+        }
+    }
+#pragma omp simd
+    for (int d = 0; d < D; d++) {
+        float q = nearbyintf(x[d] / s[d]);
+        q = q < -128.f ? -128.f : (q > 127.f ? 127.f : q);
+        dst[d] = (int8_t)(int)q;
+    }
 }
 
 /* The attention's inner products run on GCC vectors of VW floats (AVX-512 registers, two AVX2
  * ones, or scalars, whatever -march gives), over NR query rows at a time: each K or V vector
  * loaded serves NR rows. */
 #define VW 16
+#if defined(__AVX2__) || defined(__AVX512F__)
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
 #if defined(__AVX512F__)
 #define NR 8              /* 32 vector registers: 8 row accumulators and the operands */
 #else
@@ -91,36 +115,82 @@ static inline __attribute__((always_inline)) float op1(const void *x, int64_t i,
     return i8 ? (float)((const int8_t *)x)[i] : ((const float *)x)[i];
 }
 
+/* Several key (scores) or channel (values) vectors per pass: a row's FMAs form a dependency
+ * chain (4-cycle latency, two FMA ports), so a few rows (decode: the G query heads of one KV
+ * head) need several vectors at once to keep the ports busy; and with 8 key vectors a pass reads
+ * whole 128-byte rows of K^T, a sequential stream instead of a 128-byte stride. ACC is how many
+ * VW-float accumulators fit in the registers (AVX-512: 32 of them, AVX2: 16 half-size ones). */
+#if defined(__AVX512F__)
+#define ACC 24
+#else
+#define ACC 6
+#endif
+
+/* the vectors per pass for nr rows when nvec are left: a power of two, at most 8 */
+static inline int span(int nr, int nvec) {
+    int nv = 1;
+    while (nv < 8 && 2 * nv * nr <= ACC && 2 * nv <= nvec) nv *= 2;
+    return nv;
+}
+
+#define BY_SPAN(nv, call) switch (nv) { case 8: call(8); break; case 4: call(4); break; case 2: call(2); break; \
+                                        default: call(1); }
+
 /* S[r][j] = q_r . k_j for rows r < nr (q: [nr][D]) and keys [ja, jb), ja a multiple of VW, from
  * K^T [D][ldk] (ldk: bsp for the float block, a multiple of VW; bs for the page, also one, so whole
  * vectors stay inside it). */
+static inline __attribute__((always_inline)) void scores_span(const int nr, const int nv, const int i8, const float *q,
+                                                              int D, const void *k, int ldk, int j, float *S, int bsp) {
+    vf a[NR][8];
+    for (int r = 0; r < nr; r++)
+        for (int u = 0; u < nv; u++) a[r][u] = (vf){0};
+    for (int d = 0; d < D; d++)
+        for (int u = 0; u < nv; u++) {
+            const vf kv = opv(k, (int64_t)d * ldk + j + u * VW, i8);
+            for (int r = 0; r < nr; r++) a[r][u] += q[(int64_t)r * D + d] * kv;
+        }
+    for (int r = 0; r < nr; r++)
+        for (int u = 0; u < nv; u++) vstore(S + (int64_t)r * bsp + j + u * VW, a[r][u]);
+}
+
 static inline __attribute__((always_inline)) void block_scores(const int nr, const int i8, const float *q, int D,
                                                                const void *k, int ldk, int ja, int jb, float *S,
                                                                int bsp) {
-    for (int j = ja; j < jb; j += VW) {
-        vf a[NR];
-        for (int r = 0; r < nr; r++) a[r] = (vf){0};
-        for (int d = 0; d < D; d++) {
-            const vf kv = opv(k, (int64_t)d * ldk + j, i8);
-            for (int r = 0; r < nr; r++) a[r] += q[(int64_t)r * D + d] * kv;
-        }
-        for (int r = 0; r < nr; r++) vstore(S + (int64_t)r * bsp + j, a[r]);
+    for (int j = ja; j < jb;) {
+        const int nv = span(nr, (jb - j + VW - 1) / VW);
+#define SCORES_SPAN(n) scores_span(nr, n, i8, q, D, k, ldk, j, S, bsp)
+        BY_SPAN(nv, SCORES_SPAN)
+#undef SCORES_SPAN
+        j += nv * VW;
     }
 }
 
-/* acc[r][:] += sum over keys j in [ja, jb) of P[r][j] * v_j for rows r < nr, from V [bs][D] (P is
- * zero outside each row's keys). */
+/* acc[r][x, x + nv*VW) += sum over keys j in [ja, jb) of P[r][j] * v_j for rows r < nr, from
+ * V [bs][D] (P is zero outside each row's keys). */
+static inline __attribute__((always_inline)) void values_span(const int nr, const int nv, const int i8, const float *P,
+                                                              int bsp, const void *v, int D, int ja, int jb, int x,
+                                                              float *acc) {
+    vf a[NR][8];
+    for (int r = 0; r < nr; r++)
+        for (int u = 0; u < nv; u++) a[r][u] = vload(acc + (int64_t)r * D + x + u * VW);
+    for (int j = ja; j < jb; j++)
+        for (int u = 0; u < nv; u++) {
+            const vf vv = opv(v, (int64_t)j * D + x + u * VW, i8);
+            for (int r = 0; r < nr; r++) a[r][u] += P[(int64_t)r * bsp + j] * vv;
+        }
+    for (int r = 0; r < nr; r++)
+        for (int u = 0; u < nv; u++) vstore(acc + (int64_t)r * D + x + u * VW, a[r][u]);
+}
+
 static inline __attribute__((always_inline)) void block_values(const int nr, const int i8, const float *P, int bsp,
                                                                const void *v, int D, int ja, int jb, float *acc) {
     int x = 0;
-    for (; x + VW <= D; x += VW) {
-        vf a[NR];
-        for (int r = 0; r < nr; r++) a[r] = vload(acc + (int64_t)r * D + x);
-        for (int j = ja; j < jb; j++) {
-            const vf vv = opv(v, (int64_t)j * D + x, i8);
-            for (int r = 0; r < nr; r++) a[r] += P[(int64_t)r * bsp + j] * vv;
-        }
-        for (int r = 0; r < nr; r++) vstore(acc + (int64_t)r * D + x, a[r]);
+    while (x + VW <= D) {
+        const int nv = span(nr, (D - x) / VW);
+#define VALUES_SPAN(n) values_span(nr, n, i8, P, bsp, v, D, ja, jb, x, acc)
+        BY_SPAN(nv, VALUES_SPAN)
+#undef VALUES_SPAN
+        x += nv * VW;
     }
     for (; x < D; x++)
         for (int r = 0; r < nr; r++) {
@@ -128,6 +198,72 @@ static inline __attribute__((always_inline)) void block_values(const int nr, con
             for (int j = ja; j < jb; j++) t += P[(int64_t)r * bsp + j] * op1(v, (int64_t)j * D + x, i8);
             acc[(int64_t)r * D + x] = t;
         }
+}
+
+/* exp(x) for x <= 0 on VW lanes (the softmax's s - max): 2^n * e^g with n = round(x / ln 2),
+ * |g| <= ln(2) / 2 and a degree-6 Taylor polynomial (relative error about 2e-7); x below -87
+ * gives e^-87 (about 1.6e-38). Written out because the compiler's vector expf is an 8-lane call
+ * that spills the registers, the largest part of the softmax's time. */
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+static inline vf vexp_neg(vf x) {
+    const vf lo = (vf){0} - 87.f;
+    const vi small = x < lo;
+    x = (vf)(((vi)lo & small) | ((vi)x & ~small));
+    const vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);     /* x <= 0: truncation rounds */
+    const vf nf = __builtin_convertvector(n, vf);
+    const vf g = x - nf * 0.693145751953125f - nf * 1.428606765330187e-6f;
+    vf p = 1.f + g * (1.f / 6.f);                                          /* Horner: 1 + g + ... + g^6/720 */
+    p = 1.f + g * 0.2f * p;
+    p = 1.f + g * 0.25f * p;
+    p = 1.f + g * (1.f / 3.f) * p;
+    p = 1.f + g * 0.5f * p;
+    p = 1.f + g * p;
+    return p * (vf)((n + 127) << 23);
+}
+
+static inline vf vmax(vf a, vf b) {
+    const vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+}
+
+/* max of s[j0..j1), j1 > j0 */
+static float row_max(const float *s, int j0, int j1) {
+    float mx = s[j0];
+    int j = j0;
+    if (j1 - j0 >= 2 * VW) {                      /* two chains of vector maxima */
+        vf a = vload(s + j), b = vload(s + j + VW);
+        for (j += 2 * VW; j + 2 * VW <= j1; j += 2 * VW) {
+            a = vmax(a, vload(s + j));
+            b = vmax(b, vload(s + j + VW));
+        }
+        a = vmax(a, b);
+        for (int u = 0; u < VW; u++) mx = a[u] > mx ? a[u] : mx;
+    }
+    for (; j < j1; j++) mx = s[j] > mx ? s[j] : mx;
+    return mx;
+}
+
+/* s[j] = exp(s[j] - m) over [j0, j1); returns their sum. Lanes past j1 are neither written nor summed. */
+static float row_exp(float *s, int j0, int j1, float m) {
+    vf sum = (vf){0};
+    int j = j0;
+    for (; j + VW <= j1; j += VW) {
+        const vf p = vexp_neg(vload(s + j) - m);
+        vstore(s + j, p);
+        sum += p;
+    }
+    float tot = 0.f;
+    for (int u = 0; u < VW; u++) tot += sum[u];
+    if (j < j1) {
+        vf x = (vf){0} - 100.f;
+        for (int u = 0; u < j1 - j; u++) x[u] = s[j + u] - m;
+        const vf p = vexp_neg(x);
+        for (int u = 0; u < j1 - j; u++) {
+            s[j + u] = p[u];
+            tot += p[u];
+        }
+    }
+    return tot;
 }
 
 /* The two above with nr (1..NR) and i8 constants, so that the row accumulators stay in registers. */
@@ -166,9 +302,10 @@ void c8_write(const void *key, int64_t key_tok_stride, const void *value, int64_
             int8_t *page = cache + b * blk_stride + h * head_stride;
             const int64_t k0 = t * key_tok_stride + (int64_t)h * D, v0 = t * value_tok_stride + (int64_t)h * D;
             const float *ks = k_scale + (int64_t)h * D, *vs = v_scale + (int64_t)h * D;
-            for (int d = 0; d < D; d++) page[(int64_t)d * bs + o] = quant1(ld(key, k0 + d, dt), ks[d]);
-            int8_t *vrow = page + (int64_t)bs * D + o * D;
-            for (int d = 0; d < D; d++) vrow[d] = quant1(ld(value, v0 + d, dt), vs[d]);
+            int8_t kq[D];
+            quant_row(key, k0, dt, ks, kq, D);
+            for (int d = 0; d < D; d++) page[(int64_t)d * bs + o] = kq[d];       /* K is stored transposed */
+            quant_row(value, v0, dt, vs, page + (int64_t)bs * D + o * D, D);
         }
     }
 }
@@ -252,6 +389,15 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
             for (int b = kv_begin / bs; b < nblocks; b++) {
                 const int64_t phys = block_table[(int64_t)r * bt_stride + b];
                 const int8_t *page = cache + phys * blk_stride + (int64_t)kvh * head_stride;
+                /* In a serving step the pages come from memory, not cache: ask for this block's V
+                 * (read after the scores) and the next block's K (read next) now. In vLLM at 32
+                 * sequences this made decode 2-7% faster; on pages already in L3 it costs time. */
+                for (int64_t o = (int64_t)bs * D; o < 2 * (int64_t)bs * D; o += 64) PREFETCH(page + o);
+                if (b + 1 < nblocks) {
+                    const int8_t *next = cache + block_table[(int64_t)r * bt_stride + b + 1] * blk_stride +
+                                         (int64_t)kvh * head_stride;
+                    for (int64_t o = 0; o < (int64_t)bs * D; o += 64) PREFETCH(next + o);
+                }
                 const int base = b * bs;
                 const int nk = kv_end - base < bs ? kv_end - base : bs;
                 const int jlo = kv_begin - base > 0 ? kv_begin - base : 0;   /* first key any row sees */
@@ -302,18 +448,11 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
 #pragma omp simd
                             for (int j = j0; j < nkr; j++) s[j] = softcap * tanhf(s[j] * inv_cap);
                         }
-                        float mx = s[j0];
-                        for (int j = j0 + 1; j < nkr; j++) mx = s[j] > mx ? s[j] : mx;
+                        const float mx = row_max(s, j0, nkr);
                         const int first = l[rr] == 0.f;
                         const float m_new = first || mx > m[rr] ? mx : m[rr];
                         const float corr = first ? 0.f : expf(m[rr] - m_new);
-                        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                        for (int j = j0; j < nkr; j++) {
-                            float p = expf(s[j] - m_new);
-                            s[j] = p;
-                            sum += p;
-                        }
+                        const float sum = row_exp(s, j0, nkr, m_new);
                         m[rr] = m_new;
                         l[rr] = l[rr] * corr + sum;
                         if (!first) {
