@@ -140,25 +140,29 @@ static inline int span(int nr, int nvec) {
  * K^T [D][ldk] (ldk: bsp for the float block, a multiple of VW; bs for the page, also one, so whole
  * vectors stay inside it). */
 static inline __attribute__((always_inline)) void scores_span(const int nr, const int nv, const int i8, const float *q,
-                                                              int D, const void *k, int ldk, int j, float *S, int bsp) {
+                                                              int D, const void *k, int ldk, int j, float *S, int bsp,
+                                                              const int8_t *pf) {
     vf a[NR][8];
     for (int r = 0; r < nr; r++)
         for (int u = 0; u < nv; u++) a[r][u] = (vf){0};
-    for (int d = 0; d < D; d++)
+    for (int d = 0; d < D; d++) {
+        if (pf)
+            for (int64_t o = (int64_t)d * ldk; o < (int64_t)(d + 1) * ldk; o += 64) PREFETCH(pf + o);
         for (int u = 0; u < nv; u++) {
             const vf kv = opv(k, (int64_t)d * ldk + j + u * VW, i8);
             for (int r = 0; r < nr; r++) a[r][u] += q[(int64_t)r * D + d] * kv;
         }
+    }
     for (int r = 0; r < nr; r++)
         for (int u = 0; u < nv; u++) vstore(S + (int64_t)r * bsp + j + u * VW, a[r][u]);
 }
 
 static inline __attribute__((always_inline)) void block_scores(const int nr, const int i8, const float *q, int D,
                                                                const void *k, int ldk, int ja, int jb, float *S,
-                                                               int bsp) {
+                                                               int bsp, const int8_t *pf) {
     for (int j = ja; j < jb;) {
         const int nv = span(nr, (jb - j + VW - 1) / VW);
-#define SCORES_SPAN(n) scores_span(nr, n, i8, q, D, k, ldk, j, S, bsp)
+#define SCORES_SPAN(n) scores_span(nr, n, i8, q, D, k, ldk, j, S, bsp, j == ja ? pf : NULL)
         BY_SPAN(nv, SCORES_SPAN)
 #undef SCORES_SPAN
         j += nv * VW;
@@ -169,25 +173,29 @@ static inline __attribute__((always_inline)) void block_scores(const int nr, con
  * V [bs][D] (P is zero outside each row's keys). */
 static inline __attribute__((always_inline)) void values_span(const int nr, const int nv, const int i8, const float *P,
                                                               int bsp, const void *v, int D, int ja, int jb, int x,
-                                                              float *acc) {
+                                                              float *acc, const int8_t *pf) {
     vf a[NR][8];
     for (int r = 0; r < nr; r++)
         for (int u = 0; u < nv; u++) a[r][u] = vload(acc + (int64_t)r * D + x + u * VW);
-    for (int j = ja; j < jb; j++)
+    for (int j = ja; j < jb; j++) {
+        if (pf)
+            for (int64_t o = (int64_t)j * D; o < (int64_t)(j + 1) * D; o += 64) PREFETCH(pf + o);
         for (int u = 0; u < nv; u++) {
             const vf vv = opv(v, (int64_t)j * D + x + u * VW, i8);
             for (int r = 0; r < nr; r++) a[r][u] += P[(int64_t)r * bsp + j] * vv;
         }
+    }
     for (int r = 0; r < nr; r++)
         for (int u = 0; u < nv; u++) vstore(acc + (int64_t)r * D + x + u * VW, a[r][u]);
 }
 
 static inline __attribute__((always_inline)) void block_values(const int nr, const int i8, const float *P, int bsp,
-                                                               const void *v, int D, int ja, int jb, float *acc) {
+                                                               const void *v, int D, int ja, int jb, float *acc,
+                                                               const int8_t *pf) {
     int x = 0;
     while (x + VW <= D) {
         const int nv = span(nr, (D - x) / VW);
-#define VALUES_SPAN(n) values_span(nr, n, i8, P, bsp, v, D, ja, jb, x, acc)
+#define VALUES_SPAN(n) values_span(nr, n, i8, P, bsp, v, D, ja, jb, x, acc, x == 0 ? pf : NULL)
         BY_SPAN(nv, VALUES_SPAN)
 #undef VALUES_SPAN
         x += nv * VW;
@@ -276,14 +284,15 @@ static float row_exp(float *s, int j0, int j1, float m) {
 #endif
 
 static void rows_scores(int nr, int i8, const float *q, int D, const void *k, int ldk, int ja, int jb, float *S,
-                        int bsp) {
-#define SCORES(n, c) block_scores(n, c, q, D, k, ldk, ja, jb, S, bsp)
+                        int bsp, const int8_t *pf) {
+#define SCORES(n, c) block_scores(n, c, q, D, k, ldk, ja, jb, S, bsp, pf)
     BY_ROWS(SCORES)
 #undef SCORES
 }
 
-static void rows_values(int nr, int i8, const float *P, int bsp, const void *v, int D, int ja, int jb, float *acc) {
-#define VALUES(n, c) block_values(n, c, P, bsp, v, D, ja, jb, acc)
+static void rows_values(int nr, int i8, const float *P, int bsp, const void *v, int D, int ja, int jb, float *acc,
+                        const int8_t *pf) {
+#define VALUES(n, c) block_values(n, c, P, bsp, v, D, ja, jb, acc, pf)
     BY_ROWS(VALUES)
 #undef VALUES
 }
@@ -389,15 +398,11 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
             for (int b = kv_begin / bs; b < nblocks; b++) {
                 const int64_t phys = block_table[(int64_t)r * bt_stride + b];
                 const int8_t *page = cache + phys * blk_stride + (int64_t)kvh * head_stride;
-                /* In a serving step the pages come from memory, not cache: ask for this block's V
-                 * (read after the scores) and the next block's K (read next) now. In vLLM at 32
-                 * sequences this made decode 2-7% faster; on pages already in L3 it costs time. */
-                for (int64_t o = (int64_t)bs * D; o < 2 * (int64_t)bs * D; o += 64) PREFETCH(page + o);
-                if (b + 1 < nblocks) {
-                    const int8_t *next = cache + block_table[(int64_t)r * bt_stride + b + 1] * blk_stride +
-                                         (int64_t)kvh * head_stride;
-                    for (int64_t o = 0; o < (int64_t)bs * D; o += 64) PREFETCH(next + o);
-                }
+                /* In a serving step the pages come from memory, not cache. In decode (direct) the scores
+                 * pass asks for this block's V, read next, and the values pass for the next block's
+                 * K, a line or two per step (a burst of prefetches would fill the line buffers and stall). */
+                const int8_t *next = b + 1 < nblocks ? cache + block_table[(int64_t)r * bt_stride + b + 1] * blk_stride +
+                                                       (int64_t)kvh * head_stride : NULL;
                 const int base = b * bs;
                 const int nk = kv_end - base < bs ? kv_end - base : bs;
                 const int jlo = kv_begin - base > 0 ? kv_begin - base : 0;   /* first key any row sees */
@@ -436,7 +441,7 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                     if (jb <= ja) continue;
                     ja = ja / VW * VW;
                     rows_scores(nr, direct, qbuf + (int64_t)r0 * D, D, direct ? (const void *)page : kf,
-                                direct ? bs : bsp, ja, jb, S, bsp);
+                                direct ? bs : bsp, ja, jb, S, bsp, direct ? page + (int64_t)bs * D : NULL);
                     for (int x = 0; x < nr; x++) {
                         const int rr = r0 + x, j0 = jr0[x], nkr = jr1[x];
                         float *s = S + (int64_t)x * bsp;
@@ -462,7 +467,7 @@ void c8_attention(const void *q, int64_t q_tok_stride, int q_dt, const float *q_
                         }
                     }
                     rows_values(nr, direct, S, bsp, direct ? (const void *)(page + (int64_t)bs * D) : vb, D, ja,
-                                jb, acc + (int64_t)r0 * D);
+                                jb, acc + (int64_t)r0 * D, direct ? next : NULL);
                 }
             }
             for (int rr = 0; rr < rows; rr++) {
