@@ -3,7 +3,8 @@
 
     .venv/bin/python benchmarks/report.py          # rewrites README.md between the markers
 
-Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-amx,
+Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-avx2-forced,
+runtime-e2e-compiled-avx2-forced-int8,runtime-avx2-forced,runtime-e2e-compiled-amx,
 runtime-e2e-compiled-amx-int8,runtime-amx,runtime,
 runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache,kv_cache-amx}.*
 (whichever exist; quick and ad-hoc runs are ignored) and replaces the text between
@@ -75,17 +76,28 @@ def calibration_section(d: dict, title: str = "Calibration: ascend-quant vs llm-
     return out
 
 
-def markdown_file_section(name: str, title: str) -> list[str]:
+def markdown_file_section(name: str, title: str, note: str = "") -> list[str]:
+    """A benchmark's own markdown under a title; `note` (no figures: those come from the file) says
+    what the run is and is not evidence of."""
     md = RESULTS / f"{name}.md"
     if not md.is_file() and (RESULTS / f"{name}-quick.md").is_file():
         md, title = RESULTS / f"{name}-quick.md", f"{title} (reduced --quick run)"
     if not md.is_file():
         return []
     body = [line for line in md.read_text().splitlines() if not line.startswith("# ")]
-    out = [f"### {title}", "", *body]
+    out = [f"### {title}", "", *([note, ""] if note else []), *body]
     if (RESULTS / f"{name}.png").is_file():
         out += ["", f"![{title}](benchmarks/results/{name}.png)"]
     return out
+
+
+AVX2_FORCED_SHORT = ("**Not an AVX2 CPU:** our rows run our AVX2 builds (what an AVX2 CPU without VNNI "
+                     "selects by default), but torch's own GEMMs still use this CPU's AMX and AVX-512.")
+AVX2_FORCED = (f"At commit 5391da2 (the integer GEMV, before its per-group extension). {AVX2_FORCED_SHORT} So the "
+               "bf16 and fp32 rows, and the float32 k-chunk GEMMs of prefill and of the `f32` rows, say nothing "
+               "about an AVX2 CPU; what the run compares is our two int8 paths of such a CPU side by side: the "
+               "integer GEMV (`gemv`, the default there) against the float32 k-chunk GEMMs (`f32`, the previous "
+               "default).")
 
 
 def build() -> str:
@@ -102,6 +114,14 @@ def build() -> str:
     gemma = _load("calibration-gemma")
     if gemma:
         lines += calibration_section(gemma, "Calibration: Gemma-3-270m (ascend-quant)", "calibration-gemma") + [""]
+    lines += markdown_file_section("runtime-e2e-compiled-avx2-forced", "vLLM end to end, compiled: the AVX2 builds "
+                                   "forced on the Intel Xeon with AMX (stop 29)", AVX2_FORCED) + [""]
+    lines += markdown_file_section("runtime-e2e-compiled-avx2-forced-int8", "vLLM end to end, compiled: the int8 "
+                                   "rows again, AVX2 builds forced, final dynamic paths (stop 29)",
+                                   "At commit f20f1ad; the dynamic int8 paths did not change after it.") + [""]
+    lines += markdown_file_section("runtime-avx2-forced", "Runtime kernels, the AVX2 builds forced on the Intel "
+                                   "Xeon with AMX (stop 29)", "At commit 9e8e48b; later commits moved no "
+                                   "arithmetic of these paths. " + AVX2_FORCED_SHORT) + [""]
     lines += markdown_file_section("runtime-e2e-compiled-amx", "vLLM end to end, compiled (vLLM's default mode), "
                                    "Intel Xeon with AMX (stop 26)") + [""]
     lines += markdown_file_section("runtime-e2e-compiled-amx-int8", "vLLM end to end, compiled: the int8 "
@@ -114,7 +134,7 @@ def build() -> str:
     lines += markdown_file_section("moe_runtime", "MoE in vLLM: quantized experts vs bf16 (re-cut SmolLM2-135M)") + [""]
     lines += markdown_file_section("weight_memory", "Weight memory of quantized Linears in vLLM") + [""]
     lines += markdown_file_section("kv_cache", "Int8 KV cache in vLLM (CPU)") + [""]
-    lines += markdown_file_section("kv_cache-amx", "Int8 KV cache in vLLM, Intel Xeon with AMX (stop 26)") + [""]
+    lines += markdown_file_section("kv_cache-amx", "Int8 KV cache in vLLM, Intel Xeon with AMX (stop 30)") + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 
