@@ -278,6 +278,12 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         if recipe.smoothquant is not None and not recipe.smoothquant.rotated:
             (log or (lambda line: None))("no SmoothQuant: the model is rotated (smoothquant.rotated: false)")
             recipe = replace(recipe, smoothquant=None)
+        if recipe.awq is not None and not recipe.awq.rotated:
+            (log or (lambda line: None))("no AWQ: the model is rotated (awq.rotated: false)")
+            recipe = replace(recipe, awq=None)
+    if recipe.awq is not None and not recipe.awq.moe and spec.moe is not None:
+        (log or (lambda line: None))("no AWQ: a Mixture-of-Experts model (awq.moe: false)")
+        recipe = replace(recipe, awq=None)
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
     per_sample = recipe.activations.observer == "running" or (

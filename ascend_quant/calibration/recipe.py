@@ -93,6 +93,13 @@ class AWQ:
     clip: bool = True
     clip_min: float = 0.7
     clip_grid: int = 12
+    # False: only where the model is not rotated (W8A8_DYNAMIC's preset: on a rotated model
+    # SmoothQuant's fixed alphas rose less than AWQ)
+    rotated: bool = True
+    # False: not on Mixture-of-Experts models, which keep SmoothQuant if the recipe gives it
+    # (W4A8's preset: no real MoE model measured, and on the tiny random test MoEs AWQ raised
+    # the output error)
+    moe: bool = True
 
 
 @dataclass
@@ -292,6 +299,8 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
                     and isinstance(awq.clip_min, (int, float)) and 0.0 < awq.clip_min <= 1.0
                     and isinstance(awq.clip_grid, int) and awq.clip_grid >= 1):
         raise RecipeError(f"{where}: awq alphas must be within [0, 1], clip_min within (0, 1], clip_grid a count >= 1")
+    if awq and not (isinstance(awq.rotated, bool) and isinstance(awq.moe, bool)):
+        raise RecipeError(f"{where}: awq.rotated and awq.moe must be true or false")
     if awq and awq.score not in ("minmax", "final"):
         raise RecipeError(f"{where}: awq.score must be minmax or final, got {awq.score!r}")
     if not recipe.weights.symmetric and not get_scheme(recipe.scheme).weight_zero_points:

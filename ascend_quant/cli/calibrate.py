@@ -24,7 +24,9 @@ from ascend_quant.schemes import CLI_NAMES
 @click.option("--no-packing", is_flag=True, help="One sample per text (truncated, padded) instead of packed windows.")
 @click.option("--chat-template", is_flag=True, help="Wrap each text in the tokenizer's chat template.")
 @click.option("--ignore", multiple=True, help="Module name pattern left in float (repeatable), e.g. '*.down_proj'.")
-@click.option("--smoothquant-alpha", type=float, default=None, help="One SmoothQuant alpha for every group (0 disables smoothing); replaces the presets' per-group alphas (w8a8-dynamic: fixed per group; w4a8: searched).")
+@click.option("--smoothquant-alpha", type=float, default=None, help="One SmoothQuant alpha for every group (0 disables smoothing); replaces the presets' "
+              "per-group alphas (w8a8-dynamic: fixed per group; w4a8: searched) and AWQ's scaling (its "
+              "clip search stays).")
 @click.option("--method", type=click.Choice(["minmax", "gptq"]), default=None, help="Weight rounding algorithm.")
 @click.option("--rotate/--no-rotate", default=None,
               help="Fold a randomized Hadamard rotation (R1 residual, R2 per head) into the float model first "
@@ -73,6 +75,8 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
             recipe.method = method
         if smoothquant_alpha is not None:
             recipe.smoothquant = recipes.SmoothQuant(alpha=smoothquant_alpha) if smoothquant_alpha > 0 else None
+            if recipe.awq is not None:      # AWQ's scaling would replace it; its clip search stays
+                recipe.awq = dataclasses.replace(recipe.awq, alphas=[])
         if ignore:
             recipe.ignore = list(dict.fromkeys(recipe.ignore + list(ignore)))
         if kv_cache or kv_method:
