@@ -68,8 +68,9 @@ SCHEMES: dict[str, dict] = {
         "msmodelslim": "w8a8_dynamic",
         "llmcompressor": "w8a8_dynamic",
         "notes": {
-            "ours": "preset (R1 + R2 Hadamard rotation, SmoothQuant alpha 0.8 q/k/v, 0.9 gate/up, 0.5 down + "
-                    "min-max, per-token dynamic activations)",
+            "ours": "preset (where the family takes one: R1 + R2 Hadamard rotation, SmoothQuant alpha 0.8 "
+                    "q/k/v, 0.9 gate/up, 0.5 down; elsewhere AWQ's scale search, no clip; min-max weights, "
+                    "per-token dynamic activations)",
             "msmodelslim": "smooth_quant alpha 0.8 + linear_quant minmax, act per_token",
             "llmcompressor": "SmoothQuantModifier 0.8 + GPTQModifier W8A8 (int8 channel, dynamic per-token)",
         },
@@ -132,7 +133,8 @@ SCHEMES: dict[str, dict] = {
         "title": "W4A8_DYNAMIC group 64",
         "ours": ["--scheme", "w4a8", "--group-size", "64"],
         "notes": {"ours": "preset (R1 + R2 Hadamard rotation + GPTQ where the family takes a rotation, else "
-                          "SmoothQuant alpha searched per group + GPTQ; two-stage group 64)"},
+                          "AWQ scored through the final rounding + GPTQ, MoE models the SmoothQuant alpha "
+                          "search; two-stage group 64)"},
     },
     "w8a16": {
         "title": "W8A16",

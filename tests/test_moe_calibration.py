@@ -211,6 +211,10 @@ def test_every_expert_scheme_calibrates_verifies_and_tracks_float(family, scheme
     rel = ((got - want).norm() / want.norm()).item()
     # measured: 8-bit 0.015-0.07, 4-bit 0.3-0.42 (random weights, 2 layers)
     assert rel < (0.5 if s.weight_bits == 4 else 0.1), rel
+    if scheme == "w4a8":       # MoE models keep W4A8's SmoothQuant search (awq.moe: false)
+        layers = json.loads((out / "ascend_quant_calibration.json").read_text())["layers"]
+        assert any(layer["smoothquant_alphas"] for layer in layers)
+        assert not any(layer.get("awq_alphas") for layer in layers)
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "mixtral", "deepseek_v2"))

@@ -203,7 +203,8 @@ def test_rotation_where_supported_skips_gemma_and_rotates_llama(tmp_path, saved,
 
 def test_the_w8a8_dynamic_preset_rotates_where_supported(tmp_path, saved, calib_jsonl):
     """No flags: the W8A8_DYNAMIC preset rotates the Llama and skips Gemma (no error);
-    --no-rotate turns it off; --rotate on Gemma is an error (tested above)."""
+    --no-rotate turns it off; --rotate on Gemma is an error (tested above). A rotated model
+    gets SmoothQuant's fixed alphas, an unrotated one AWQ's search (`awq: {rotated: false}`)."""
     common = ["--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32", "--threads", "1"]
     for family, flags, rotated in (("llama", [], True), ("llama", ["--no-rotate"], False), ("gemma3", [], False)):
         out = tmp_path / f"{family}{'-'.join(flags)}"
@@ -211,8 +212,25 @@ def test_the_w8a8_dynamic_preset_rotates_where_supported(tmp_path, saved, calib_
         assert result.exit_code == 0, result.output
         calib = json.loads((out / "ascend_quant_calibration.json").read_text())
         assert ("rotation" in calib) is rotated, (family, flags)
+        for layer in calib["layers"]:
+            if rotated:
+                assert "awq_alphas" not in layer and layer["smoothquant_alphas"]["gate_up"] == 0.9
+            else:
+                assert set(layer["awq_alphas"]) == {"qkv", "gate_up", "down"} and not layer["smoothquant_alphas"]
         if family == "llama":             # its source ties the head to the embeddings
             assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is (not rotated)
+
+
+def test_smoothquant_alpha_flag_replaces_the_presets_awq_scaling(tmp_path, saved, calib_jsonl):
+    """--smoothquant-alpha on an unrotated model: that alpha in every group with a producer,
+    not AWQ's search, which the preset would otherwise run there."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["calibrate", str(saved["gemma3"]), "-o", str(out), "--smoothquant-alpha",
+                                      "0.5", "--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32",
+                                      "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    for layer in json.loads((out / "ascend_quant_calibration.json").read_text())["layers"]:
+        assert "awq_alphas" not in layer and set(layer["smoothquant_alphas"].values()) == {0.5}
 
 
 def _calibrate_with_the_preset(saved, family, out, calib_jsonl, scheme):
@@ -227,17 +245,19 @@ def _calibrate_with_the_preset(saved, family, out, calib_jsonl, scheme):
 
 
 @pytest.mark.parametrize("family,rotated", [("llama", True), ("gemma3", False)])
-def test_the_w4a8_preset_rotates_or_smooths(tmp_path, saved, calib_jsonl, family, rotated):
-    """No flags but the scheme: W4A8 rotates the Llama and does not smooth it (the saved recipe
-    has no SmoothQuant, no group has an alpha); on Gemma, which takes no rotation, it smooths
-    (an alpha searched for every group with a producer)."""
+def test_the_w4a8_preset_rotates_or_scales(tmp_path, saved, calib_jsonl, family, rotated):
+    """No flags but the scheme: W4A8 rotates the Llama and does not scale it (the saved recipe
+    has no AWQ, no group has an alpha); on Gemma, which takes no rotation, AWQ searches (an
+    alpha or no scaling for every group with a producer)."""
     calib, recipe_text = _calibrate_with_the_preset(saved, family, tmp_path / family, calib_jsonl, "w4a8")
     assert ("rotation" in calib) is rotated
-    alphas = [a for layer in calib["layers"] for a in layer["smoothquant_alphas"]]
+    assert not any(layer["smoothquant_alphas"] for layer in calib["layers"])
     if rotated:
-        assert "smoothquant: null" in recipe_text and not alphas
+        assert "awq: null" in recipe_text and "smoothquant: null" in recipe_text
+        assert not any("awq_alphas" in layer for layer in calib["layers"])
     else:
-        assert "rotated: false" in recipe_text and alphas
+        assert "rotated: false" in recipe_text
+        assert all(set(layer["awq_alphas"]) == {"qkv", "gate_up", "down"} for layer in calib["layers"])
 
 
 @pytest.mark.parametrize("family,rotated", [("llama", True), ("gemma3", False)])

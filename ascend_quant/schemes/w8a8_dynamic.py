@@ -33,8 +33,15 @@ class W8A8Dynamic(Scheme):
     # of split (`choose_preset.py --write-split`, 128 x 512 fit windows, 16k selection tokens)
     # it rose +0.55% against the alphas' +0.99%. Elsewhere (Gemma, GLM-4, MoE, discovered) the
     # model is calibrated unrotated; `--no-rotate` turns it off. A tied head is untied.
+    # Unrotated, AWQ's scale search (alphas 0-1 or none, scored with min-max weights and
+    # dynamic activations, no clip search) replaces the fixed alphas (`awq.rotated: false`):
+    # selection split, 64 x 512 fit windows, 8192 tokens, Gemma-3-270m +0.75% against the
+    # alphas' +2.14% (with the clip search +1.24%); SmolLM2 unrotated (128 x 512, 16384 tokens)
+    # +0.86% against +0.98%. Rotated, the alphas stay: SmolLM2 +0.63% against AWQ's
+    # +1.06% (+0.69% with the clip search).
     preset = {"method": "minmax", "gptq": {"mse_scales": False},
               "smoothquant": {"alpha": 0.8, "group_alpha": {"gate_up": 0.9, "down": 0.5}},
+              "awq": {"alphas": [i / 10 for i in range(11)], "clip": False, "rotated": False},
               "rotation": {"where_supported": True}}
 
     def tensor_specs(self, n, k, group_size=0, *, two_stage=False, row_parallel=False, tp_size=1):
