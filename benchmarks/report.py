@@ -113,7 +113,7 @@ def build() -> str:
                                      "with and without its QuaRot", "calibration-w8a8d") + [""]
     gemma = _load("calibration-gemma")
     if gemma:
-        lines += calibration_section(gemma, "Calibration: Gemma-3-270m (ascend-quant)", "calibration-gemma") + [""]
+        lines += calibration_section(gemma, "Calibration: Gemma-3-270m (ascend-quant), Intel Xeon with AMX (stop 32)", "calibration-gemma") + [""]
     lines += markdown_file_section("runtime-e2e-compiled-avx2-forced", "vLLM end to end, compiled: the AVX2 builds "
                                    "forced on the Intel Xeon with AMX (stop 29)", AVX2_FORCED) + [""]
     lines += markdown_file_section("runtime-e2e-compiled-avx2-forced-int8", "vLLM end to end, compiled: the int8 "
