@@ -289,6 +289,25 @@ def awq_factors(act_mean: torch.Tensor, alpha: float, eps: float = 1e-5) -> torc
     return (s / torch.sqrt(s.amax() * s.amin())).clamp(min=eps)
 
 
+def awq_weight_mean(w: torch.Tensor, group_size: int = 0) -> torch.Tensor:
+    """Per input channel [k], the mean over the rows of w [n, k] of |w| relative to the largest
+    |w| of its row's group (group_size 0: the whole row): how much of the quantization range a
+    column already uses, the weight side of AWQ's two-sided factor."""
+    n, k = w.shape
+    g = group_size or k
+    a = w.float().abs().reshape(n, k // g, g)
+    return (a / a.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(n, k).mean(0)
+
+
+def awq_duo_factors(act_mean: torch.Tensor, weight_mean: torch.Tensor, alpha: float,
+                    eps: float = 1e-5) -> torch.Tensor:
+    """AWQ's two-sided factor s [k] = mean|x|^alpha / weight_mean^(1 - alpha) (weight_mean from
+    `awq_weight_mean`), normalized as `awq_factors`: channels whose weights use little of
+    their range are scaled up more. alpha 1 is `awq_factors`' alpha 1."""
+    s = act_mean.float().clamp(min=eps).pow(alpha) / weight_mean.float().clamp(min=eps).pow(1.0 - alpha)
+    return (s / torch.sqrt(s.amax() * s.amin())).clamp(min=eps)
+
+
 # ------------------------------------------------------------------- offline rotations
 
 def _is_prime(q: int) -> bool:

@@ -68,6 +68,30 @@ def test_awq_scale_search_is_never_worse_than_no_scaling():
     assert alpha is not None and chosen < 0.9 * none
 
 
+def test_awq_duo_candidates_are_the_two_sided_factors_and_never_lose():
+    """With `duo` the search also tries s = mean|x|^a / mean(|w| / its group's max)^(1 - a),
+    written out here per group of G: its choice is the best of all those candidates and of the
+    one-sided ones, so never worse than the search without them."""
+    x = _inputs(128, seed=4)
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(5)) * 0.05
+    w[:, 5] *= 6                            # a column that already uses its groups' range
+    alphas = [0.0, 0.25, 0.5, 0.75, 1.0]
+    q = lambda t, _s: _int4_sym(t)          # noqa: E731
+    one, s1 = search_scales(x, x.abs().mean(0), [w], alphas, lambda t: t, q)
+    two, s2 = search_scales(x, x.abs().mean(0), [w], alphas, lambda t: t, q, duo=True, group_size=G)
+    wg = w.abs().reshape(96, -1, G)
+    w_mean = (wg / wg.amax(-1, keepdim=True)).reshape(96, 128).mean(0)
+    cands = {a: x.abs().mean(0).pow(a) for a in alphas}
+    cands.update({f"duo {a}": x.abs().mean(0).pow(a) / w_mean.pow(1 - a) for a in alphas if a < 1})
+    errs = {a: _output_error(x, w, _int4_sym(w * c), c) for a, c in cands.items()}
+    chosen = _output_error(x, w, _int4_sym(w * s2), s2)
+    assert chosen <= min(errs.values()) * (1 + 1e-4)
+    assert chosen <= _output_error(x, w, _int4_sym(w * s1), s1) * (1 + 1e-6)
+    if isinstance(two, str):                # a two-sided winner: its factor up to a common scale
+        ratio = s2 / cands[two]
+        assert torch.allclose(ratio, ratio.mean().expand_as(ratio), rtol=1e-4)
+
+
 def test_awq_scale_search_keeps_no_scaling_when_it_is_best():
     """With evenly sized activations and a quantizer that scaling cannot help (identity),
     no scaling (alpha None, s all ones) is kept: it is tried first and wins ties."""

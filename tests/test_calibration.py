@@ -134,8 +134,9 @@ def test_recipe_yaml_round_trip_and_overrides(tmp_path):
     ("scheme: w8a8\nsmoothquant: {alphas: [0.5, 1.5]}\n", "within"),
     ("scheme: w8a8\nsmoothquant: {group_alpha: {mlp: 0.5}}\n", "unknown group"),
     ("scheme: w8a8\ncolour: red\n", "unknown key 'colour'"),
-    ("scheme: w8a8-dynamic\nawq: {rotated: sometimes}\n", "awq.rotated and awq.moe must be true or false"),
-    ("scheme: w4a8\nawq: {moe: 0}\n", "awq.rotated and awq.moe must be true or false"),
+    ("scheme: w8a8-dynamic\nawq: {rotated: sometimes}\n", "awq.rotated, awq.moe and awq.duo must be true or false"),
+    ("scheme: w4a8\nawq: {moe: 0}\n", "awq.rotated, awq.moe and awq.duo must be true or false"),
+    ("scheme: w4a16\nawq: {duo: 1}\n", "awq.rotated, awq.moe and awq.duo must be true or false"),
     ("- just a list\n", "mapping"),
     ("scheme: [\n", "not valid YAML"),
 ])

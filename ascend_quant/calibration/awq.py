@@ -35,13 +35,19 @@ def activation_mean(tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def search_scales(x: torch.Tensor, act_mean: torch.Tensor, weights: list[torch.Tensor], alphas: Sequence[float],
                   quantize_input: Callable[[torch.Tensor], torch.Tensor],
-                  quantize_weight: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                  ) -> tuple[float | None, torch.Tensor]:
+                  quantize_weight: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  duo: bool = False, group_size: int = 0) -> tuple[float | str | None, torch.Tensor]:
     """(alpha, s [k]) of the AWQ factors for `alphas` (or no scaling: alpha None, s all ones)
     with the smallest `||Qa(x / s) Qw(W * s)^T - x W^T||^2` on tokens x [t, k]; `act_mean` [k]:
     mean |x| over all the group's tokens; `quantize_weight(W * s, s)` gives Qw(W * s) (s: for a
-    rounding that depends on the scaled inputs, GPTQ). Never worse on that loss than no scaling."""
-    candidates = {float(a): numerics.awq_factors(act_mean, a) for a in alphas if a > 0}
+    rounding that depends on the scaled inputs, GPTQ). Never worse on that loss than no scaling.
+    `duo`: the two-sided factors (`numerics.awq_duo_factors`, weights' groups of `group_size`)
+    are candidates too, labelled "duo ALPHA"."""
+    candidates: dict = {float(a): numerics.awq_factors(act_mean, a) for a in alphas if a > 0}
+    if duo:
+        w_mean = numerics.awq_weight_mean(torch.cat([w.detach() for w in weights]), group_size)
+        candidates.update({f"duo {float(a)}": numerics.awq_duo_factors(act_mean, w_mean, a)
+                           for a in alphas if a < 1})
     return best_factors(x, weights, candidates, quantize_input, quantize_weight)
 
 

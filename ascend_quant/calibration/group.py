@@ -125,7 +125,7 @@ def weight_qparams(scheme: str, w: torch.Tensor, gs: int, symmetric: bool, ratio
 
 def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized: dict[str, str],
                recipe: Recipe, prefix: str = "", group_size: int | None = None
-               ) -> tuple[float | None, torch.Tensor | None]:
+               ) -> tuple[float | str | None, torch.Tensor | None]:
     """(alpha, s [k]) of the AWQ scaling for a group with input tokens [t, k] and members'
     weights [n_i, k]: the best of the recipe's `awq.alphas` or no scaling (alpha and s None),
     scored on a token sample with the first quantized member's scheme: its activation
@@ -155,7 +155,8 @@ def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized
 
     alpha, s = search_scales(stride(tokens, SEARCH_TOKENS), activation_mean(tokens),
                              [weights[n] for n in quantized], recipe.awq.alphas, _input_quantizer(info),
-                             final_weight if recipe.awq.score == "final" else minmax_weight)
+                             final_weight if recipe.awq.score == "final" else minmax_weight,
+                             recipe.awq.duo, gs)
     return alpha, (None if alpha is None else s)
 
 

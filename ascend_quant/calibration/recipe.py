@@ -87,6 +87,9 @@ class AWQ:
     # how candidates are scored: minmax (the scheme's min-max weights, cheap) or final (each
     # Linear's own rounding: clip search, GPTQ; one rounding of the group per candidate)
     score: str = "minmax"
+    # also the two-sided candidates s = mean|x|^alpha / mean(|w| / group max)^(1 - alpha) for
+    # each alpha below 1 (recorded as "duo ALPHA"; llm-compressor's duo_scaling "both")
+    duo: bool = False
     # then per row or group of each Linear the range shrink ratio in [clip_min, 1] (clip_grid
     # steps) with the smallest output error of that group's part of the product; GPTQ, if it
     # runs, keeps those scales
@@ -299,8 +302,8 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
                     and isinstance(awq.clip_min, (int, float)) and 0.0 < awq.clip_min <= 1.0
                     and isinstance(awq.clip_grid, int) and awq.clip_grid >= 1):
         raise RecipeError(f"{where}: awq alphas must be within [0, 1], clip_min within (0, 1], clip_grid a count >= 1")
-    if awq and not (isinstance(awq.rotated, bool) and isinstance(awq.moe, bool)):
-        raise RecipeError(f"{where}: awq.rotated and awq.moe must be true or false")
+    if awq and not all(isinstance(v, bool) for v in (awq.rotated, awq.moe, awq.duo)):
+        raise RecipeError(f"{where}: awq.rotated, awq.moe and awq.duo must be true or false")
     if awq and awq.score not in ("minmax", "final"):
         raise RecipeError(f"{where}: awq.score must be minmax or final, got {awq.score!r}")
     if not recipe.weights.symmetric and not get_scheme(recipe.scheme).weight_zero_points:

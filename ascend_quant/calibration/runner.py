@@ -50,7 +50,7 @@ class LayerReport:
     schemes: dict[str, str] = field(default_factory=dict)     # linear -> scheme
     errors: dict[str, float] = field(default_factory=dict)    # linear -> relative output error
     alphas: dict[str, float | None] = field(default_factory=dict)   # smoothed group -> alpha (None: none)
-    awq_alphas: dict[str, float | None] = field(default_factory=dict)  # AWQ group -> alpha (None: no scaling)
+    awq_alphas: dict[str, float | str | None] = field(default_factory=dict)  # AWQ group -> alpha, "duo ALPHA" or None
     clip_ratios: dict[str, float] = field(default_factory=dict)     # linear -> mean AWQ clip ratio
     expert_tokens: dict[str, int] = field(default_factory=dict)     # MoE: expert -> real routed tokens
     fallbacks: dict[str, int] = field(default_factory=dict)         # experts given min-max weights -> tokens
@@ -85,7 +85,7 @@ class _GroupHook:
         self.transformed: torch.Tensor | None = None
         self.seen_by_scheme: dict[str, torch.Tensor] = {}
         self.fed: set[torch.nn.Module] = set()     # members whose input has been handed over
-        self.alpha: float | None = None            # the smoothing applied (None: none)
+        self.alpha: float | str | None = None      # the smoothing applied (None: none; "duo A": AWQ's two-sided)
         self.smoothed = False
         self.awq = False                           # scaled by AWQ's search (alpha: its choice)
         self.factor: torch.Tensor | None = None    # the s folded into the producer (None: none)
