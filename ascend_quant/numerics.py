@@ -285,7 +285,11 @@ def awq_factors(act_mean: torch.Tensor, alpha: float, eps: float = 1e-5) -> torc
     max(s) * min(s) = 1 (a common factor changes nothing for min-max weights; this keeps the
     folded norm gains and weights near their magnitudes). alpha 0 gives all ones: no scaling.
     act_mean: [k] mean absolute activation per input channel."""
-    s = act_mean.float().clamp(min=eps).pow(alpha)
+    return _centred(act_mean.float().clamp(min=eps).pow(alpha), eps)
+
+
+def _centred(s: torch.Tensor, eps: float) -> torch.Tensor:
+    """s [k] divided by sqrt(max(s) * min(s)), so that max * min = 1 (AWQ's normalization)."""
     return (s / torch.sqrt(s.amax() * s.amin())).clamp(min=eps)
 
 
@@ -304,8 +308,8 @@ def awq_duo_factors(act_mean: torch.Tensor, weight_mean: torch.Tensor, alpha: fl
     """AWQ's two-sided factor s [k] = mean|x|^alpha / weight_mean^(1 - alpha) (weight_mean from
     `awq_weight_mean`), normalized as `awq_factors`: channels whose weights use little of
     their range are scaled up more. alpha 1 is `awq_factors`' alpha 1."""
-    s = act_mean.float().clamp(min=eps).pow(alpha) / weight_mean.float().clamp(min=eps).pow(1.0 - alpha)
-    return (s / torch.sqrt(s.amax() * s.amin())).clamp(min=eps)
+    return _centred(act_mean.float().clamp(min=eps).pow(alpha) / weight_mean.float().clamp(min=eps).pow(1.0 - alpha),
+                    eps)
 
 
 # ------------------------------------------------------------------- offline rotations

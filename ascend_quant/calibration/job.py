@@ -250,6 +250,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     from ascend_quant.calibration.data import Samples, load_texts, tokenize_samples
     from ascend_quant.formats.ascend import write_checkpoint
 
+    say = log or (lambda line: None)
     out = Path(out)
     if out.exists() and not overwrite:
         raise CalibrationError(f"{out} already exists (choose another -o or remove it)")
@@ -271,18 +272,18 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         skipped_rotation = rotation_refusal(model, spec, rotation.kind, rotation.r2)
     if skipped_rotation:              # a preset's rotation where the family takes none: unrotated
         why = skipped_rotation.split("no offline rotation: ", 1)[-1].removesuffix("; calibrate without rotation")
-        (log or (lambda line: None))(f"not rotated: {why}")
+        say(f"not rotated: {why}")
         recipe = replace(recipe, rotation=None)
     elif rotation is not None:
         rotated = rotated_model(loaded, spec, rotation)
         if recipe.smoothquant is not None and not recipe.smoothquant.rotated:
-            (log or (lambda line: None))("no SmoothQuant: the model is rotated (smoothquant.rotated: false)")
+            say("no SmoothQuant: the model is rotated (smoothquant.rotated: false)")
             recipe = replace(recipe, smoothquant=None)
         if recipe.awq is not None and not recipe.awq.rotated:
-            (log or (lambda line: None))("no AWQ: the model is rotated (awq.rotated: false)")
+            say("no AWQ: the model is rotated (awq.rotated: false)")
             recipe = replace(recipe, awq=None)
     if recipe.awq is not None and not recipe.awq.moe and spec.moe is not None:
-        (log or (lambda line: None))("no AWQ: a Mixture-of-Experts model (awq.moe: false)")
+        say("no AWQ: a Mixture-of-Experts model (awq.moe: false)")
         recipe = replace(recipe, awq=None)
     texts = load_texts(dataset, "calibration")
     # msModelSlim's per-sample observers (running ranges, last-sample C8) need one sample per row
@@ -345,8 +346,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
 
             recipe, run, budget_report = budgets.select(
                 recipe, budget, spec, Samples(held.ids.to(device), held.valid.to(device), held.position_ids.to(device)),
-                source_dtype, calibrate_on, float_model,
-                log or (lambda line: None))
+                source_dtype, calibrate_on, float_model, say)
             loaded, results, kv_scales, reports = run.loaded, run.results, run.kv_scales, run.reports
             model = loaded.model
         tensors, types = checkpoint_tensors(model, results, kv_scales, source_dtype, spilled)
