@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from ascend_quant import numerics
 from ascend_quant.calibration import job, recipe as recipes, runner
 from ascend_quant.calibration.data import DataError, load_texts, tokenize_samples
-from ascend_quant.calibration.gptq import gptq_quantize, hessian
+from ascend_quant.calibration.gptq import float_target_weight, gptq_quantize, hessian
 from ascend_quant.calibration.kv import KVObserver
 from ascend_quant.calibration.smoothquant import apply_smoothing, smoothing_factors
 from ascend_quant.cli.main import cli
@@ -75,6 +75,75 @@ def test_native_gptq_sweep_equals_the_torch_one(bits, group):
     q_t, s_t = gptq_quantize(w, h, bits, group, blocksize=64, native_sweep=False)
     assert torch.equal(s_c, s_t)
     assert (q_c != q_t).float().mean() < 1e-3 and (q_c.int() - q_t.int()).abs().max() <= 1
+
+
+def test_float_target_weight_is_the_damped_least_squares_fit():
+    """The oracle: lstsq on the stacked system [X_q; sqrt(lam) I] V^T = [X_f W^T; sqrt(lam) W^T]
+    (the output on the drifted input matches the float output, V stays near W)."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 48)
+    x_f = _correlated_inputs(48, tokens=512)
+    x_q = x_f @ (torch.eye(48) + 0.05 * torch.randn(48, 48)) + 0.1 * torch.randn(512, 48)
+    fitted = float_target_weight(w, x_q, x_f, percdamp=0.01)
+    xq, xf = x_q.double(), x_f.double()
+    lam = 0.01 * (xq * xq).sum(0).mean()
+    a = torch.cat([xq, lam.sqrt() * torch.eye(48, dtype=torch.float64)])
+    b = torch.cat([xf @ w.double().t(), lam.sqrt() * w.double().t()])
+    oracle = torch.linalg.lstsq(a, b).solution.t()
+    torch.testing.assert_close(fitted.double(), oracle, rtol=1e-4, atol=1e-4)
+    assert torch.equal(float_target_weight(w, x_f, x_f), w)       # no drift: the weight itself
+
+
+@pytest.mark.parametrize("bits,group", [(8, 0), (4, 32)])
+def test_gptq_on_the_float_target_fits_the_float_output(bits, group):
+    """With inputs that drifted from the float model's (the layers before were quantized),
+    GPTQ on float_target_weight's W* lands closer to the float output than GPTQ on W."""
+    torch.manual_seed(2)
+    w = torch.randn(64, 128)
+    x_f = _correlated_inputs(128)
+    x_q = x_f @ (torch.eye(128) + 0.03 * torch.randn(128, 128)) + 0.05 * torch.randn(x_f.shape)
+    h = hessian(x_q)
+    errors = []
+    for target in (w, float_target_weight(w, x_q, x_f)):
+        q, s = gptq_quantize(target, h, bits, group, act_order=True)
+        errors.append((x_q @ numerics.dequantize(q, s).t() - x_f @ w.t()).pow(2).mean())
+    assert errors[1] < 0.8 * errors[0], errors
+
+
+def test_float_target_feeds_gptq_the_float_models_inputs(tiny, calib_jsonl, monkeypatch):
+    """gptq.float_target: every group gets the float model's own input to it (an independent
+    forward of an untouched copy, hooked), at the Hessian's tokens; the quantized layers' inputs
+    differ from it past layer 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    s = tokenize_samples(load_texts(calib_jsonl), tok, 4, 64)
+    float_inputs = {}
+    copy_ = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    for name, m in copy_.named_modules():
+        if name.endswith(("q_proj", "o_proj", "gate_proj", "down_proj")):
+            m.register_forward_pre_hook(lambda m, a, name=name: float_inputs.setdefault(name, a[0].detach().clone()))
+    with torch.no_grad():
+        copy_(input_ids=s.ids, use_cache=False)
+    seen = {}
+    real = runner.quantize_linears
+
+    def spy(weights, biases, quantized, inputs, *args, float_input=None, **kw):
+        seen[(args[5], next(iter(quantized)))] = (float_input, next(iter(inputs.values())))   # args[5]: prefix
+        return real(weights, biases, quantized, inputs, *args, float_input=float_input, **kw)
+
+    monkeypatch.setattr(runner, "quantize_linears", spy)
+    rec = recipes.preset("w8a16")
+    rec.method, rec.gptq.float_target, rec.gptq.hessian_tokens = "gptq", True, 0
+    runner.quantize_model(model, s.ids, rec, valid=s.valid)
+    assert len(seen) == 4 * len(model.model.layers)
+    drifted = 0
+    for (prefix, first), (given, own) in seen.items():
+        name = f"{prefix}.{first}"
+        want = float_inputs[name].reshape(-1, given.shape[-1])[s.valid.reshape(-1)]
+        torch.testing.assert_close(given, want, rtol=1e-4, atol=1e-5)
+        drifted += not torch.allclose(own, want, rtol=1e-3, atol=1e-4)
+    assert drifted >= 3 * (len(model.model.layers) - 1)
 
 
 def test_smoothing_keeps_the_product():

@@ -19,7 +19,7 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.awq import activation_mean, clip_ratios, search_clip, search_scales
-from ascend_quant.calibration.gptq import gptq_quantize, hessian
+from ascend_quant.calibration.gptq import float_target_weight, gptq_quantize, hessian
 from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import search_alpha, smoothing_factors
@@ -49,6 +49,13 @@ def stride(x: torch.Tensor, count: int) -> torch.Tensor:
     if not count or x.shape[0] <= count:
         return x
     return x[::-(-x.shape[0] // count)]
+
+
+def hessian_sample(tokens: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """The tokens [t, k] GPTQ's Hessian is computed on: an even stride of at most
+    max(gptq.hessian_tokens, 4 k) of them (all with hessian_tokens 0)."""
+    cap = recipe.gptq.hessian_tokens
+    return stride(tokens, cap and max(cap, 4 * tokens.shape[-1]))
 
 
 def error_sample(tokens: torch.Tensor) -> torch.Tensor:
@@ -143,8 +150,7 @@ def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized
 
     names = list(quantized)
     rows = [weights[n].shape[0] for n in names]
-    cap = recipe.gptq.hessian_tokens
-    fit = stride(tokens, cap and max(cap, 4 * tokens.shape[-1]))
+    fit = hessian_sample(tokens, recipe)
 
     def final_weight(w, s):
         inputs = {sch: _input_quantizer(SCHEMES[sch])(fit / s) for sch in dict.fromkeys(quantized.values())}
@@ -272,8 +278,7 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
         fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
         offset = torch.cat([plans[n]["offset"] for n in names]) if has_offset else None
         q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]),
-                                 hessian(stride(inputs[scheme], g.hessian_tokens and
-                                                max(g.hessian_tokens, 4 * inputs[scheme].shape[-1]))),
+                                 hessian(hessian_sample(inputs[scheme], recipe)),
                                  SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
                                  g.mse_scales, scale=fixed, offset=offset)
         rounded.update(zip(names, zip(q.split(rows), scale.split(rows))))
@@ -284,20 +289,34 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
                      quantized: dict[str, str], inputs: dict[str, torch.Tensor], subsample: torch.Tensor,
                      sub_inputs: dict[str, torch.Tensor], qparams: ActivationQParams, row_parallel: bool,
                      recipe: Recipe, prefix: str, method: str | None = None,
-                     group_size: int | None = None) -> dict[str, QuantizedLinear]:
+                     group_size: int | None = None, float_input: torch.Tensor | None = None
+                     ) -> dict[str, QuantizedLinear]:
     """The quantized members (`quantized`: name -> scheme) from their weights [n, k] and
     biases, their scheme's input tokens `inputs[scheme]` [t, k] (GPTQ's Hessian) and the
     group's activation range. Each one's `error` is its relative output error on the float
     `subsample` against its fake-quantized copy `sub_inputs[scheme]` (weight and activation
     rounding both count). `prefix` names the layer (recipe overrides, errors); `method` and
     `group_size` replace the recipe's (an expert's min-max fallback, per-channel experts).
-    With the recipe's `awq.clip` each member's scales come from a clip search on its input."""
-    plans = {name: _plan(name, scheme, weights[name].float(), recipe, prefix, method, group_size,
+    With the recipe's `awq.clip` each member's scales come from a clip search on its input.
+    `float_input` (`gptq.float_target`): the float model's input to the group at the Hessian's
+    tokens (`hessian_sample`); GPTQ members then round the weight whose output on their own
+    input best matches the float model's output (`gptq.float_target_weight`)."""
+    originals = {name: weights[name].float() for name in quantized}
+    targets = dict(originals)
+    if float_input is not None and method != "minmax":
+        for scheme in dict.fromkeys(quantized.values()):
+            names = [n for n, s in quantized.items() if s == scheme and recipe.method_for(f"{prefix}.{n}") == "gptq"]
+            if names:
+                rows = [originals[n].shape[0] for n in names]
+                fitted = float_target_weight(torch.cat([originals[n] for n in names]),
+                                             hessian_sample(inputs[scheme], recipe), float_input, recipe.gptq.damp)
+                targets.update(zip(names, fitted.split(rows)))
+    plans = {name: _plan(name, scheme, targets[name], recipe, prefix, method, group_size,
                          inputs.get(scheme)) for name, scheme in quantized.items()}
     rounded = _round(plans, inputs, recipe)
     linears: dict[str, QuantizedLinear] = {}
     for name, plan in plans.items():
-        scheme, w = plan["scheme"], plan["w"]
+        scheme, w = plan["scheme"], originals[name]
         q, scale = rounded[name]
         bias = biases[name].detach().float().clone() if biases[name] is not None else None
         qlin = QuantizedLinear(scheme, q, plan["s1"] if plan["s1"] is not None else scale, bias, plan["s2"],

@@ -8,7 +8,7 @@ overrides matched with shell-style patterns on the module name:
     group_size: 0
     smoothquant: {alpha: 0.8, smooth_down: true, alphas: [0.5, 0.7, 0.9], group_alpha: {down: 0.5}}
     activations: {observer: percentile, percentile: 99.99}
-    gptq: {damp: 0.01, block_size: 128, act_order: true}
+    gptq: {damp: 0.01, block_size: 128, act_order: true, float_target: false}
     awq: {alphas: [0.0, 0.25, 0.5, 0.75, 1.0], clip: true}   # weight-rounding search (see AWQ)
     weights: {symmetric: false}   # zero points (W4A16 only)
     kv_cache: {dtype: int8, method: mse}
@@ -75,6 +75,10 @@ class GPTQ:
     # Hessian from an even stride of at most max(hessian_tokens, 4 * in_features) tokens
     # (0: all): on SmolLM2-135M the capped Hessians cost 40% of the time and no accuracy
     hessian_tokens: int = 4096
+    # True: each GPTQ Linear is fitted to the float model's output (its float input runs through
+    # a float copy of the layers alongside), not to its own unquantized output on the input the
+    # quantized layers before it produce: GPTAQ's asymmetric calibration (gptq.float_target_weight)
+    float_target: bool = False
 
 
 @dataclass
@@ -304,6 +308,8 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: awq alphas must be within [0, 1], clip_min within (0, 1], clip_grid a count >= 1")
     if awq and not all(isinstance(v, bool) for v in (awq.rotated, awq.moe, awq.duo)):
         raise RecipeError(f"{where}: awq.rotated, awq.moe and awq.duo must be true or false")
+    if not isinstance(recipe.gptq.float_target, bool):
+        raise RecipeError(f"{where}: gptq.float_target must be true or false")
     if awq and awq.score not in ("minmax", "final"):
         raise RecipeError(f"{where}: awq.score must be minmax or final, got {awq.score!r}")
     if not recipe.weights.symmetric and not get_scheme(recipe.scheme).weight_zero_points:

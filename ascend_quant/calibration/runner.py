@@ -19,6 +19,7 @@ report, and a layer's experts take one scheme with per-token (or no) activation 
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 from dataclasses import dataclass, field, replace
@@ -30,7 +31,7 @@ from ascend_quant.arch import ArchSpec, LinearExperts, LinearGroup, experts_of, 
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
-                                            observe_activations, quantize_linears, smooths)
+                                            hessian_sample, observe_activations, quantize_linears, smooths)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
 from ascend_quant.calibration.recipe import Recipe, Weights
 from ascend_quant.calibration.smoothquant import apply_smoothing
@@ -73,8 +74,10 @@ class _GroupHook:
     model and sets the fake-quantized weights; each member then gets the input it computes with."""
 
     def __init__(self, layer: torch.nn.Module, group: LinearGroup, prefix: str, recipe: Recipe,
-                 results: dict[str, QuantizedLinear], valid: torch.Tensor, experts: LinearExperts | None = None):
+                 results: dict[str, QuantizedLinear], valid: torch.Tensor, experts: LinearExperts | None = None,
+                 float_input: torch.Tensor | None = None):
         self.layer, self.group, self.prefix, self.recipe, self.results = layer, group, prefix, recipe, results
+        self.float_input = float_input            # the float model's input at GPTQ's tokens (gptq.float_target)
         self.experts = experts                    # a routed expert's group: its layer's experts
         self.valid2d = valid                      # [N, L] bool: real tokens, not padding
         self.valid = valid.reshape(-1)
@@ -201,9 +204,14 @@ class _GroupHook:
         del inputs
         # 4. the weights: GPTQ on the group's shared Hessian, or min-max
         biases = {name: m.bias for name, m in self.modules.items()}
+        float_input = self.float_input
+        if float_input is not None and s is not None:     # in the smoothed coordinates the members now have
+            float_input = float_input / s
         linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
                                    group.row_parallel, recipe, self.prefix,
-                                   method="minmax" if self.fallback else None, group_size=group_size)
+                                   method="minmax" if self.fallback else None, group_size=group_size,
+                                   float_input=float_input)
+        self.float_input = None
         for name, qlin in linears.items():
             module = self.modules[name]
             module.weight.data = qlin.dequantized().to(module.weight.dtype)
@@ -298,6 +306,36 @@ def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
 # ---------------------------------------------------------------------- the layers
 
 @torch.no_grad()
+def _float_forward(layer, spec: ArchSpec, groups: tuple[LinearGroup, ...], x: torch.Tensor, kwargs: dict,
+                   valid: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`gptq.float_target`: a float copy of `layer` (taken before calibration touches it) on the
+    float model's hidden states x. Returns its output (the next layer's float input) and, per
+    dense group (by its first member), the group's input at GPTQ's Hessian tokens. Routed
+    experts get none: their tokens differ between the float and the quantized model."""
+    ref = copy.deepcopy(layer)
+    mask = valid.reshape(-1)
+    all_valid = bool(mask.all())
+    captured: dict[str, torch.Tensor] = {}
+
+    def grab(name):
+        def hook(module, args):
+            if name not in captured:
+                flat = args[0].reshape(-1, args[0].shape[-1])
+                captured[name] = hessian_sample(flat if all_valid else flat[mask], recipe).float().clone()
+        return hook
+
+    handles = [ref.get_submodule(g.linears[0]).register_forward_pre_hook(grab(g.linears[0]))
+               for g in groups if g.expert is None]
+    try:
+        with lean_mlp(ref, spec):
+            out = ref(x, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return (out[0] if isinstance(out, tuple) else out), captured
+
+
+@torch.no_grad()
 def capture_layer_inputs(model, spec: ArchSpec, samples: torch.Tensor,
                          position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Run the model up to its first decoder layer: (hidden states [N, L, H], layer kwargs).
@@ -361,6 +399,8 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     reports: list[LayerReport] = []
     layers = spec.layers(model)
+    # gptq.float_target: the float model's hidden states, run alongside through float copies
+    x_float = x.clone() if recipe.gptq.float_target and recipe.activations.observer != "running" else None
     for i, layer in enumerate(layers):
         start = time.perf_counter()
         if stream is not None:              # streamed: this layer's float weights arrive now
@@ -372,8 +412,13 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
             expert_scheme(spec, layer_groups, prefix, recipe)
             experts.token_mask, experts.counts = valid.reshape(-1), {}
             experts.all_tokens = recipe.moe.tokens == "all"
-        groups = [_GroupHook(layer, g, prefix, recipe, results, valid, experts if g.expert is not None else None)
+        float_inputs: dict[str, torch.Tensor] = {}
+        if x_float is not None:
+            x_float, float_inputs = _float_forward(layer, spec, layer_groups, x_float, kwargs, valid, recipe)
+        groups = [_GroupHook(layer, g, prefix, recipe, results, valid, experts if g.expert is not None else None,
+                             float_inputs.pop(g.linears[0], None) if g.expert is None else None)
                   for g in layer_groups]
+        del float_inputs
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
         kvq = None
         if recipe.kv_cache and spec.missing_modules(layer, [spec.attention]):
