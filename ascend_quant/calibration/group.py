@@ -289,8 +289,8 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
                      quantized: dict[str, str], inputs: dict[str, torch.Tensor], subsample: torch.Tensor,
                      sub_inputs: dict[str, torch.Tensor], qparams: ActivationQParams, row_parallel: bool,
                      recipe: Recipe, prefix: str, method: str | None = None,
-                     group_size: int | None = None, float_input: torch.Tensor | None = None
-                     ) -> dict[str, QuantizedLinear]:
+                     group_size: int | None = None,
+                     float_target: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, QuantizedLinear]:
     """The quantized members (`quantized`: name -> scheme) from their weights [n, k] and
     biases, their scheme's input tokens `inputs[scheme]` [t, k] (GPTQ's Hessian) and the
     group's activation range. Each one's `error` is its relative output error on the float
@@ -298,19 +298,20 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
     rounding both count). `prefix` names the layer (recipe overrides, errors); `method` and
     `group_size` replace the recipe's (an expert's min-max fallback, per-channel experts).
     With the recipe's `awq.clip` each member's scales come from a clip search on its input.
-    `float_input` (`gptq.float_target`): the float model's input to the group at the Hessian's
-    tokens (`hessian_sample`); GPTQ members then round the weight whose output on their own
-    input best matches the float model's output (`gptq.float_target_weight`)."""
+    `float_target` (`gptq.float_target`): the float model's input to the group and the group's
+    own input before its activation quantizer, both at the Hessian's tokens (`hessian_sample`);
+    GPTQ members then round the weight whose output on their own input best matches the float
+    model's output (`gptq.float_target_weight`). The fit sees the upstream drift only: fitted
+    to the activation-quantized input it would also chase this input's per-token rounding."""
     originals = {name: weights[name].float() for name in quantized}
     targets = dict(originals)
-    if float_input is not None and method != "minmax":
-        for scheme in dict.fromkeys(quantized.values()):
-            names = [n for n, s in quantized.items() if s == scheme and recipe.method_for(f"{prefix}.{n}") == "gptq"]
-            if names:
-                rows = [originals[n].shape[0] for n in names]
-                fitted = float_target_weight(torch.cat([originals[n] for n in names]),
-                                             hessian_sample(inputs[scheme], recipe), float_input, recipe.gptq.damp)
-                targets.update(zip(names, fitted.split(rows)))
+    if float_target is not None and method != "minmax":
+        names = [n for n in quantized if recipe.method_for(f"{prefix}.{n}") == "gptq"]
+        if names:
+            rows = [originals[n].shape[0] for n in names]
+            fitted = float_target_weight(torch.cat([originals[n] for n in names]), float_target[1],
+                                         float_target[0], recipe.gptq.damp)
+            targets.update(zip(names, fitted.split(rows)))
     plans = {name: _plan(name, scheme, targets[name], recipe, prefix, method, group_size,
                          inputs.get(scheme)) for name, scheme in quantized.items()}
     rounded = _round(plans, inputs, recipe)

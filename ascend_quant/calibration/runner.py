@@ -194,6 +194,12 @@ class _GroupHook:
             flat = self._tokens(x) if self.all_valid else flat.div_(s.to(flat.dtype))
         # 2. activation range (static W8A8): one for the whole group
         qparams = observe_activations(x, flat, self.valid2d, weights, quantized, recipe)
+        # gptq.float_target: the float model's input and this one, before the activation quantizer
+        float_target = None
+        if self.float_input is not None:
+            float_target = (self.float_input if s is None else self.float_input / s,
+                            hessian_sample(flat, recipe).float().clone())
+            self.float_input = None
         # 3. the input each scheme's members compute with: kept for the forward (unless
         # msModelSlim's per-sample running ranges apply there), its real tokens feed GPTQ
         subsample = error_sample(flat)
@@ -204,14 +210,11 @@ class _GroupHook:
         del inputs
         # 4. the weights: GPTQ on the group's shared Hessian, or min-max
         biases = {name: m.bias for name, m in self.modules.items()}
-        float_input = self.float_input
-        if float_input is not None and s is not None:     # in the smoothed coordinates the members now have
-            float_input = float_input / s
         linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
                                    group.row_parallel, recipe, self.prefix,
                                    method="minmax" if self.fallback else None, group_size=group_size,
-                                   float_input=float_input)
-        self.float_input = None
+                                   float_target=float_target)
+        del float_target
         for name, qlin in linears.items():
             module = self.modules[name]
             module.weight.data = qlin.dequantized().to(module.weight.dtype)
