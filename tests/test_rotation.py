@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
@@ -219,6 +220,21 @@ def test_the_w8a8_dynamic_preset_rotates_where_supported(tmp_path, saved, calib_
                 assert set(layer["awq_alphas"]) == {"qkv", "gate_up", "down"} and not layer["smoothquant_alphas"]
         if family == "llama":             # its source ties the head to the embeddings
             assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is (not rotated)
+
+
+def test_the_w4a16_preset_fits_the_float_output_only_when_rotated(tmp_path, saved, calib_jsonl):
+    """W4A16's `gptq: {float_target: true, float_target_unrotated: false}`: the rotated Llama keeps
+    the float target (saved recipe), Gemma (not rotated) drops it with one line saying why."""
+    common = ["--scheme", "w4a16", "--group-size", "32", "--dataset", calib_jsonl, "--num-samples", "2",
+              "--seq-len", "32", "--threads", "1"]
+    for family, rotated in (("llama", True), ("gemma3", False)):
+        out = tmp_path / family
+        result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), *common])
+        assert result.exit_code == 0, result.output
+        saved_recipe = yaml.safe_load((out / "ascend_quant_recipe.yaml").read_text())
+        assert saved_recipe["gptq"]["float_target"] is rotated, family
+        said = "GPTQ fits each Linear's own output: the model is not rotated" in result.output
+        assert said is not rotated, result.output
 
 
 def test_smoothquant_alpha_flag_replaces_the_presets_awq_scaling(tmp_path, saved, calib_jsonl):

@@ -282,6 +282,9 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         if recipe.awq is not None and not recipe.awq.rotated:
             say("no AWQ: the model is rotated (awq.rotated: false)")
             recipe = replace(recipe, awq=None)
+    if recipe.gptq.float_target and not recipe.gptq.float_target_unrotated and rotated is None:
+        say("GPTQ fits each Linear's own output: the model is not rotated (gptq.float_target_unrotated: false)")
+        recipe = replace(recipe, gptq=replace(recipe.gptq, float_target=False))
     if recipe.awq is not None and not recipe.awq.moe and spec.moe is not None:
         say("no AWQ: a Mixture-of-Experts model (awq.moe: false)")
         recipe = replace(recipe, awq=None)

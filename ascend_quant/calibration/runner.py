@@ -316,6 +316,9 @@ def _float_forward(layer, spec: ArchSpec, groups: tuple[LinearGroup, ...], x: to
     dense group (by its first member), the group's input at GPTQ's Hessian tokens. Routed
     experts get none: their tokens differ between the float and the quantized model."""
     ref = copy.deepcopy(layer)
+    for m in ref.modules():          # a deep copy carries the layer's hooks along: not on the float copy
+        m._forward_pre_hooks.clear()
+        m._forward_hooks.clear()
     mask = valid.reshape(-1)
     all_valid = bool(mask.all())
     captured: dict[str, torch.Tensor] = {}
