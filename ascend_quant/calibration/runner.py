@@ -422,7 +422,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         if x_float is not None:
             x_float, float_inputs = _float_forward(layer, spec, layer_groups, x_float, kwargs, valid, recipe)
         groups = [_GroupHook(layer, g, prefix, recipe, results, valid, experts if g.expert is not None else None,
-                             float_inputs.pop(g.linears[0], None) if g.expert is None else None)
+                             float_inputs.pop(g.linears[0], None))        # none for routed experts
                   for g in layer_groups]
         del float_inputs
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
