@@ -2,8 +2,11 @@
 """Calibration benchmark: ascend-quant vs llm-compressor vs msModelSlim on one model.
 
 Every tool calibrates the same model (default: the embedded SmolLM2-135M-Instruct, fp32) on
-the same calibration texts (the first N paragraphs of the built-in wiki calibration split,
-one sample per paragraph, truncated at --seq-len, no packing) with the same thread count.
+the same calibration texts with the same thread count. By default (`--data packed`) these are
+the windows that `ascend-quant calibrate` cuts with no flags (--samples windows of --seq-len
+tokens, packed from the shuffled wiki calibration split), written out as text, one per sample:
+the presets' defaults, and the same tokens for every tool. `--data paragraphs` gives the first
+N paragraphs instead, one per sample, truncated at --seq-len (the benchmark before stop 35).
 Measured per run: wall time and peak RSS of the tool's process tree, and perplexity of its
 output on the same held-out windows (ours and msModelSlim through `ascend-quant eval`,
 llm-compressor's compressed-tensors output through transformers in its own venv, on the
@@ -369,7 +372,26 @@ def venv_versions(py: Path, packages: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------ data
-def prepare_data(model: Path, samples: int, tokens: int, seq_len: int, work: Path) -> dict:
+def packed_texts(tok, samples: int, seq_len: int) -> tuple[list[str], int]:
+    """The calibration windows of `ascend-quant calibrate` with no flags (packed, seed 0) as
+    texts, without the BOS each window starts with (every tool adds its own), and how many of
+    them re-tokenize to exactly the window's tokens."""
+    from ascend_quant.assets import wiki_paragraphs
+    from ascend_quant.calibration.data import bos_prefix, tokenize_samples
+
+    ids = tokenize_samples(wiki_paragraphs("calibration"), tok, samples, seq_len).ids
+    if len(ids) < samples:
+        raise SystemExit(f"the calibration split fills only {len(ids)} windows of {seq_len} tokens")
+    skip = len(bos_prefix(tok))
+    texts, same = [], 0
+    for row in ids.tolist():
+        text = tok.decode(row[skip:])
+        same += tok(text, add_special_tokens=False)["input_ids"] == row[skip:]
+        texts.append(text)
+    return texts, same
+
+
+def prepare_data(model: Path, samples: int, tokens: int, seq_len: int, work: Path, packed: bool = True) -> dict:
     """calib.jsonl (msModelSlim's `inputs_pretokenized` format; each text cut so that it
     tokenizes to at most seq_len tokens, identically for every tool) and the eval windows."""
     import torch
@@ -379,7 +401,11 @@ def prepare_data(model: Path, samples: int, tokens: int, seq_len: int, work: Pat
     from ascend_quant.calibration.data import eval_windows
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    texts = wiki_paragraphs("calibration")[:samples]
+    same = None
+    if packed:
+        texts, same = packed_texts(tok, samples, seq_len)
+    else:
+        texts = wiki_paragraphs("calibration")[:samples]
     if len(texts) < samples:
         raise SystemExit(f"only {len(texts)} calibration paragraphs")
     lines, lengths, cut, special = [], [], 0, 0
@@ -409,7 +435,8 @@ def prepare_data(model: Path, samples: int, tokens: int, seq_len: int, work: Pat
     windows = eval_windows(wiki_paragraphs("eval"), tok, tokens, seq_len)
     wpath = work / "eval_windows.pt"
     torch.save(windows.clone(), wpath)
-    return {"calib_jsonl": str(calib), "samples": len(lines), "calib_tokens": sum(lengths),
+    return {"calib_jsonl": str(calib), "packed": packed, "windows_retokenized_identically": same,
+            "samples": len(lines), "calib_tokens": sum(lengths),
             "calib_tokens_min_max": [min(lengths), max(lengths)], "texts_cut_at_seq_len": cut,
             "msmodelslim_adds_special_tokens": bool(special),
             "eval_windows": str(wpath), "eval_tokens": int(windows.numel()),
@@ -540,7 +567,10 @@ def parse_args(argv=None):
     p.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma list of {', '.join(SCHEMES)}")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     p.add_argument("--threads", default="1,2", help="comma list of thread counts (every tool runs at each)")
-    p.add_argument("--samples", type=int, default=128, help="calibration paragraphs")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples (windows or paragraphs)")
+    p.add_argument("--data", choices=("packed", "paragraphs"), default="packed",
+                   help="packed: the windows `ascend-quant calibrate` cuts by default, as texts (default); "
+                        "paragraphs: the first --samples paragraphs, one per sample")
     p.add_argument("--tokens", type=int, default=32768, help="held-out tokens scored for perplexity")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--model", default=None, help="float model folder (default: the embedded reference model)")
@@ -622,8 +652,9 @@ def main(argv=None) -> int:
         versions[name] = venv_versions(py, ["llmcompressor", "compressed-tensors", "msmodelslim", "torch",
                                             "transformers", "accelerate"])
 
-    print(f"[data] {args.samples} calibration paragraphs, {args.tokens} eval tokens, seq-len {args.seq_len}", flush=True)
-    data = prepare_data(model, args.samples, args.tokens, args.seq_len, work)
+    print(f"[data] {args.samples} calibration {'windows' if args.data == 'packed' else 'paragraphs'}, "
+          f"{args.tokens} eval tokens, seq-len {args.seq_len}", flush=True)
+    data = prepare_data(model, args.samples, args.tokens, args.seq_len, work, packed=args.data == "packed")
     print(f"[data] {data['samples']} samples / {data['calib_tokens']} tokens -> {data['calib_jsonl']}; "
           f"eval windows {data['eval_windows_shape']}", flush=True)
 
@@ -724,6 +755,13 @@ def _ratio(a, b):
     return None if a is None or b in (None, 0) else a / b
 
 
+def _data_words(data: dict, seq_len: int) -> str:
+    if data.get("packed"):
+        return (f"ascend-quant calibrate's default windows of {seq_len} tokens, packed, given to every tool as "
+                f"text; {data.get('windows_retokenized_identically')} of {data['samples']} re-tokenize identically")
+    return f"one paragraph per sample, truncated at {seq_len}, no packing"
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     fppl = report["float_ppl"]
@@ -731,8 +769,7 @@ def markdown(report: dict) -> str:
         "# Calibration benchmark: ascend-quant vs llm-compressor vs msModelSlim",
         "",
         f"{report['created']} · model `{Path(s['model']).name}` · {s['samples']} calibration samples "
-        f"({report['data']['calib_tokens']} tokens, one paragraph per sample, truncated at {s['seq_len']}, "
-        f"no packing) · perplexity on {s['eval_tokens']} held-out wiki tokens, context {s['seq_len']} · "
+        f"({report['data']['calib_tokens']} tokens, {_data_words(report['data'], s['seq_len'])}) · perplexity on {s['eval_tokens']} held-out wiki tokens, context {s['seq_len']} · "
         f"{report['machine']['cpus']} CPUs, load average at start "
         f"{report['machine']['load_avg_at_start'][0]:.1f}" + (" · **quick mode**" if s["quick"] else ""),
         "",

@@ -34,6 +34,9 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+WINDOWS = "windows (calibrate's default, packed)"
+
+
 def calibration_section(d: dict, title: str = "Calibration: ascend-quant vs llm-compressor vs msModelSlim",
                         png: str = "calibration") -> list[str]:
     s = d["settings"]
@@ -42,7 +45,8 @@ def calibration_section(d: dict, title: str = "Calibration: ascend-quant vs llm-
     gguf = GGUF_ONCE.get(model)
     out = [f"### {title}", "",
            f"`{d['command']}` ({d['created'][:16]}; model `{model}`; {d['data'].get('samples', s.get('samples'))} calibration "
-           f"paragraphs, {d['data'].get('calib_tokens', '?')} tokens; perplexity on {s.get('eval_tokens')} held-out "
+           f"{WINDOWS if d['data'].get('packed') else 'paragraphs'}, "
+           f"{d['data'].get('calib_tokens', '?')} tokens; perplexity on {s.get('eval_tokens')} held-out "
            f"tokens at context 512; float perplexity {fl:.4f}; {d['machine'].get('cpus', '?')} CPUs, load "
            f"average at start {d['machine'].get('load_avg_at_start', ['?'])[0]:.1f}).", "",
            "| scheme | tool | threads | wall s | peak RSS MB | checkpoint MB | perplexity | vs float |",
