@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from ascend_quant import numerics
 from ascend_quant.calibration import job, recipe as recipes, runner
 from ascend_quant.calibration.data import DataError, load_texts, tokenize_samples
-from ascend_quant.calibration.gptq import float_target_weight, gptq_quantize, hessian
+from ascend_quant.calibration.gptq import float_target_weight, gptq_quantize, hessian, refit_scales
 from ascend_quant.calibration.kv import KVObserver
 from ascend_quant.calibration.smoothquant import apply_smoothing, smoothing_factors
 from ascend_quant.cli.main import cli
@@ -108,6 +108,89 @@ def test_gptq_on_the_float_target_fits_the_float_output(bits, group):
         q, s = gptq_quantize(target, h, bits, group, act_order=True)
         errors.append((x_q @ numerics.dequantize(q, s).t() - x_f @ w.t()).pow(2).mean())
     assert errors[1] < 0.8 * errors[0], errors
+
+
+@pytest.mark.parametrize("form", ["symmetric", "zero points", "two-stage"])
+def test_refit_scales_is_the_least_squares_fit_of_the_output(form):
+    """The oracle: per row, lstsq on the explicit design X A, A's columns being the codes of
+    one group (the scales) and, with zero points, the group's indicator (-offset * scale)."""
+    torch.manual_seed(3)
+    n, k, gs = 12, 128, 32
+    w = torch.randn(n, k)
+    x = _correlated_inputs(k, tokens=1024)
+    h = hessian(x)
+    if form == "two-stage":      # s1 per row; s2 integer per group multiplies the codes
+        s2 = torch.randint(1, 8, (n, k // gs)).float()
+        s1 = w.abs().amax(1, keepdim=True) / 7 / 8
+        codes_scale = numerics.expand_groups(s2, k)
+        q = torch.clamp(torch.round(w / (s1 * codes_scale)), -8, 7).to(torch.int8)
+        scale, offset = s1, None
+    else:
+        scale, offset = numerics.weight_qparams(w, 4, gs, form == "symmetric", 1.0)
+        q, codes_scale = numerics.quantize(w, scale, 4, offset), None
+    new_scale, new_offset = refit_scales(w, q, scale, offset, h, codes_scale=codes_scale, ridge=0.0)
+    assert new_scale.shape == scale.shape and (new_offset is None) == (offset is None)
+    c = q.double() * (codes_scale.double() if codes_scale is not None else 1.0)
+    groups = scale.shape[1]
+    size = k // groups
+    for r in range(n):
+        cols = []
+        for g in range(groups):
+            col = torch.zeros(k, dtype=torch.float64)
+            col[g * size:(g + 1) * size] = c[r, g * size:(g + 1) * size]
+            cols.append(col)
+        if offset is not None:
+            for g in range(groups):
+                col = torch.zeros(k, dtype=torch.float64)
+                col[g * size:(g + 1) * size] = 1.0
+                cols.append(col)
+        a = x.double() @ torch.stack(cols, 1)
+        sol = torch.linalg.lstsq(a, x.double() @ w[r].double()).solution
+        torch.testing.assert_close(new_scale[r].double(), sol[:groups], rtol=1e-3, atol=1e-6)
+        if offset is not None:
+            torch.testing.assert_close(new_offset[r].double(), -sol[groups:] / sol[:groups], rtol=1e-3, atol=1e-4)
+
+    def out_err(s, o):
+        deq = numerics.dequantize(q, s, o) if codes_scale is None else q.float() * s * codes_scale
+        return (x @ (deq - w).t()).pow(2).mean()
+    assert out_err(new_scale, new_offset) < out_err(scale, offset)
+
+
+def test_refit_keeps_rows_it_cannot_improve():
+    """Codes that are all zero tell nothing about a scale: the row keeps its parameters."""
+    torch.manual_seed(4)
+    w = torch.randn(4, 64) * 1e-3
+    x = _correlated_inputs(64, tokens=256)
+    scale = torch.ones(4, 2)
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    new_scale, _ = refit_scales(w, q, scale, None, hessian(x))
+    assert torch.equal(new_scale, scale)
+
+
+@pytest.mark.parametrize("scheme,group", [("w4a16", 32), ("w4a8", 32), ("w8a16", 0)])
+def test_refit_lowers_the_calibration_error_and_verifies(tmp_path, tiny, calib_jsonl, scheme, group):
+    """`weights.refit` through a real calibration: the Linears' output error on the calibration
+    tokens falls (the first layer, whose input is the same in both runs), the checkpoint verifies,
+    and zero points (W4A16) come out as floats."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny)
+    s = tokenize_samples(load_texts(calib_jsonl), tok, 8, 64)
+    errors = {}
+    for refit in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+        rec = recipes.preset(scheme, group)
+        rec.weights.refit = refit
+        results, _, _ = runner.quantize_model(model, s.ids, rec, valid=s.valid)
+        errors[refit] = {n: q.error for n, q in results.items() if ".layers.0." in n}
+        if refit and scheme == "w4a16":
+            offsets = torch.cat([q.offset.flatten() for q in results.values()])
+            assert (offsets != offsets.round()).any()
+    assert sum(errors[True].values()) < sum(errors[False].values()), errors
+    rec = recipes.preset(scheme, group)
+    rec.weights.refit = True
+    job.calibrate(str(tiny), tmp_path / "out", rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
+    report = verify(tmp_path / "out")
+    assert report.ok, report.problems
 
 
 def test_float_target_feeds_gptq_the_float_models_inputs(tiny, calib_jsonl, monkeypatch):

@@ -142,3 +142,62 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
             Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
     inv = torch.argsort(perm)
     return Qt[inv].t().to(torch.int8).contiguous(), scale.float()
+
+
+def refit_scales(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 h: torch.Tensor, codes_scale: torch.Tensor | None = None, rows_per_chunk: int = 256,
+                 ridge: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Least-squares scales (and zero points) for integer codes that are already chosen.
+
+    Rounding (min-max, GPTQ) fixes `scale` [n, G] before it picks the codes q [n, k]. With the
+    codes fixed, the dequantized row is linear in its per-group parameters, w_hat_i =
+    a_g q_i + b_g over group g (a = scale, b = -offset * scale; b = 0 when `offset` is None),
+    so the (a, b) minimizing the layer's output error on the calibration inputs,
+    (w - w_hat) H (w - w_hat)^T with H = X^T X [k, k], solve a 2G x 2G (G x G) system per row.
+    `codes_scale` [n, k] multiplies the codes first (two-stage int4: s2, so `scale` is s1
+    [n, 1]). The solve is damped toward the current parameters (`ridge` times the system's
+    diagonal) so that groups whose codes cannot tell a from b keep theirs; a row keeps its old
+    parameters unless the new ones are finite, positive and lower its error.
+    Returns (scale, offset) shaped as given."""
+    n, k = q.shape
+    G = scale.shape[1]
+    gs = k // G
+    H = h.float()
+    Hb = H.reshape(G, gs, k)
+    Hbb = H.reshape(G, gs, G, gs).sum((1, 3))                       # [G, G]: sums of H's blocks
+    asym = offset is not None
+    new_scale, new_offset = scale.float().clone(), None if offset is None else offset.float().clone()
+    for r0 in range(0, n, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, n)
+        Q = q[r0:r1].float()
+        if codes_scale is not None:
+            Q = Q * codes_scale[r0:r1].float()
+        m = r1 - r0
+        Qg = Q.reshape(m, G, gs)
+        WH = w[r0:r1].float() @ H                                    # [m, k]
+        T = torch.einsum("rgi,gij->rgj", Qg, Hb).reshape(m, G, G, gs)  # T[r, g, g', j] = sum_i in g q_i H_ij
+        Maa = (T * Qg.unsqueeze(1)).sum(-1)                          # [m, G, G]
+        va = (WH.reshape(m, G, gs) * Qg).sum(-1)                     # [m, G]
+        a0 = scale[r0:r1].float()
+        if asym:
+            Mab = T.sum(-1)                                          # [m, G, G]: a_g with b_g'
+            M = torch.cat([torch.cat([Maa, Mab], 2), torch.cat([Mab.transpose(1, 2), Hbb.expand(m, G, G)], 2)], 1)
+            v = torch.cat([va, WH.reshape(m, G, gs).sum(-1)], 1)
+            theta0 = torch.cat([a0, -offset[r0:r1].float() * a0], 1)
+        else:
+            M, v, theta0 = Maa, va, a0
+        M, v, theta0 = M.double(), v.double(), theta0.double()
+        d = M.diagonal(dim1=1, dim2=2).clamp(min=1e-30) * ridge
+        theta = torch.linalg.solve(M + torch.diag_embed(d), (v + d * theta0).unsqueeze(-1)).squeeze(-1)
+
+        def err(t):                                                  # the error up to a constant
+            return (t.unsqueeze(1) @ M @ t.unsqueeze(-1)).squeeze((1, 2)) - 2 * (v * t).sum(1)
+        a = theta[:, :G]
+        ok = torch.isfinite(theta).all(1) & (a > 0).all(1) & (err(theta) < err(theta0))
+        if not ok.any():
+            continue
+        rows = torch.arange(r0, r1)[ok]
+        new_scale[rows] = a[ok].float()
+        if asym:
+            new_offset[rows] = (-theta[ok, G:] / a[ok]).float()
+    return new_scale.to(scale.dtype), None if offset is None else new_offset.to(offset.dtype)

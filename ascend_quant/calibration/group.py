@@ -19,7 +19,7 @@ import torch
 from ascend_quant import numerics
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.awq import activation_mean, clip_ratios, search_clip, search_scales
-from ascend_quant.calibration.gptq import float_target_weight, gptq_quantize, hessian
+from ascend_quant.calibration.gptq import float_target_weight, gptq_quantize, hessian, refit_scales
 from ascend_quant.calibration.observers import RangeObserver, mse_activation_range, mse_weight_scale
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import search_alpha, smoothing_factors
@@ -272,16 +272,36 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
         else:
             scale = plan["fixed"] if plan["fixed"] is not None else numerics.weight_scale(plan["w"], bits, plan["gs"])
             rounded[name] = (numerics.quantize(plan["w"], scale, bits, plan["offset"]), scale)
+    hessians: dict[str, torch.Tensor] = {}
+
+    def hessian_of(scheme: str) -> torch.Tensor:
+        if scheme not in hessians:
+            hessians[scheme] = hessian(hessian_sample(inputs[scheme], recipe))
+        return hessians[scheme]
+
     for (scheme, gs, has_fixed, has_offset), names in batches.items():
         g = recipe.gptq
         rows = [plans[n]["w"].shape[0] for n in names]
         fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
         offset = torch.cat([plans[n]["offset"] for n in names]) if has_offset else None
-        q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]),
-                                 hessian(hessian_sample(inputs[scheme], recipe)),
+        q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]), hessian_of(scheme),
                                  SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
                                  g.mse_scales, scale=fixed, offset=offset)
         rounded.update(zip(names, zip(q.split(rows), scale.split(rows))))
+    if recipe.weights.refit:
+        for name, plan in plans.items():
+            x = inputs.get(plan["scheme"])
+            if x is None or not x.shape[0]:
+                continue
+            q, scale = rounded[name]
+            if plan["s2"] is not None:          # two-stage int4: s2 stays an integer, s1 moves
+                s1, _ = refit_scales(plan["w"], q, plan["s1"], None, hessian_of(plan["scheme"]),
+                                     codes_scale=numerics.expand_groups(plan["s2"].float(), q.shape[1]))
+                plan["s1"] = s1
+                rounded[name] = (q, s1 * plan["s2"])
+            else:
+                scale, plan["offset"] = refit_scales(plan["w"], q, scale, plan["offset"], hessian_of(plan["scheme"]))
+                rounded[name] = (q, scale)
     return rounded
 
 

@@ -116,6 +116,10 @@ class AWQ:
 class Weights:
     # False: asymmetric weights with a zero point per row or group (schemes that store one: W4A16)
     symmetric: bool = True
+    # True: once the integer codes are chosen (min-max or GPTQ), each row's scales (and zero
+    # points) are refitted by least squares to the layer's output on the calibration inputs
+    # (gptq.refit_scales); two-stage int4 refits s1 only, s2 stays an integer
+    refit: bool = False
 
 
 @dataclass
