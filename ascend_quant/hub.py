@@ -122,6 +122,11 @@ def render_card(description: dict[str, str], meta: dict, calib: dict, recipe: st
         lines += ["", f"Rotated first, folded into the weights (no online transform): R1 {rot.get('kind')} on the "
                       f"residual stream (hidden {rot.get('hidden_size')}){r2}; norm gains folded into the Linears, "
                       f"so the norms are all ones{untied}."]
+    online = calib.get("online_rotation")
+    if isinstance(online, dict):
+        lines += ["", f"Online rotation: a randomized Hadamard on the input of every `{online.get('linears')}` at "
+                      "inference (its signs stored as `input_rotation`, its weight as w·Q). Served by ascend-quant's "
+                      "runtime at tensor-parallel size 1; vllm-ascend does not load this checkpoint."]
     if recipe:
         lines += ["", "Recipe (`ascend_quant_recipe.yaml`, reusable with `ascend-quant calibrate --recipe`):", "",
                   "```yaml", recipe.rstrip(), "```"]

@@ -27,6 +27,7 @@ Conventions
 | smoothed norm gain  | as the norm [k]         | `w / s`; (1+w) norm (Gemma): `(1 + w) / s - 1`  |
 | rotated Linear (R1) | as the weight           | reader `(w · gain) Q`, writer `Qᵀ w` (bias `Qᵀ b`) |
 | AWQ factor          | float32 [k]             | `mean|x|^alpha / sqrt(max * min)`               |
+| online input rotation | float32 [k] signs d   | Q = diag(d) H / sqrt(k): input `x Q`, stored weight `w Q` |
 """
 
 from __future__ import annotations
@@ -354,6 +355,18 @@ def hadamard(n: int) -> torch.Tensor | None:
     matrix P_c of order c = (n / 2^a) · 2^b (Sylvester doubling of a Paley core). Covers every
     power of two and e.g. 576 = 16 · 36 (Paley II, q = 17), 640 = 32 · 20, 896 = 32 · 28,
     1536 = 128 · 12."""
+    parts = hadamard_parts(n)
+    if parts is None:
+        return None
+    core, doublings = parts
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    for _ in range(doublings):
+        core = torch.kron(h2, core)
+    return core
+
+
+def hadamard_parts(n: int) -> tuple[torch.Tensor, int] | None:
+    """(P, r) with `hadamard(n)` = H2^(⊗r) ⊗ P (P a Paley core, float64), or None."""
     if n < 1:
         return None
     a, odd = 0, n
@@ -362,10 +375,7 @@ def hadamard(n: int) -> torch.Tensor | None:
     for b in range(a + 1):
         core = _paley(odd << b)
         if core is not None:
-            h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-            for _ in range(a - b):
-                core = torch.kron(h2, core)
-            return core
+            return core, a - b
     return None
 
 
@@ -385,6 +395,38 @@ def orthogonal_rotation(n: int, kind: str, generator: torch.Generator) -> torch.
         q, r = torch.linalg.qr(g)
         return q * torch.sign(torch.diagonal(r))[None, :]
     raise ValueError(f"unknown rotation kind {kind!r} (hadamard or random)")
+
+
+def rotation_signs(n: int, generator: torch.Generator) -> torch.Tensor:
+    """n random ±1 values, float32: the diagonal D of a randomized Hadamard D·H / sqrt(n)."""
+    return torch.randint(0, 2, (n,), generator=generator).to(torch.float32) * 2 - 1
+
+
+def input_rotation(signs: torch.Tensor) -> torch.Tensor:
+    """The online rotation Q = diag(signs)·H / sqrt(k) (float64 [k, k], orthogonal) of a
+    Linear that stores `input_rotation` signs [k]: it computes (x·Q)·w'ᵀ with w' = w·Q
+    (`rotate_input`), the float product x·wᵀ. ValueError for a k `hadamard` cannot build."""
+    k = signs.numel()
+    h = hadamard(k)
+    if h is None:
+        raise ValueError(f"no Hadamard matrix of order {k} here (2^a times a Paley order)")
+    return signs.reshape(k, 1).to(torch.float64) * h / k ** 0.5
+
+
+def rotate_activation(x: torch.Tensor, signs: torch.Tensor, core: torch.Tensor) -> torch.Tensor:
+    """x·Q for Q = `input_rotation(signs)` without forming Q: with H = H2^(⊗r) ⊗ P
+    (`hadamard_parts`; `core` is P in x's dtype and device), x·diag(signs) viewed as
+    [.., 2^r, c] is multiplied by P on its last axis, then r butterflies (u + v, u - v) apply
+    H2 on each binary axis of the 2^r one; O(k (c + r)) per row instead of O(k^2). Torch ops
+    only (compiled mode traces it)."""
+    k, c = signs.numel(), core.shape[0]
+    y = (x * signs).reshape(-1, k // c, c) @ core
+    half = 1
+    while half < k // c:
+        y = y.reshape(y.shape[0], -1, 2, half, c)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        half *= 2
+    return (y * (1.0 / k ** 0.5)).reshape(x.shape)
 
 
 def fold_norm_gain(w: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:

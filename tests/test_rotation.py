@@ -340,6 +340,13 @@ def test_recipe_rotation_key(tmp_path):
 
 # ------------------------------------------------------------------------ calibrated
 
+def _tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
 def _float_logits(path: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
     with torch.no_grad():
@@ -400,7 +407,8 @@ def test_rotated_calibration_verifies_and_runs(scheme, tmp_path, saved, calib_js
 @pytest.mark.vllm
 def test_vllm_serves_a_rotated_checkpoint_like_the_reference(tmp_path, calib_jsonl):
     """A rotated, untied W8A8_DYNAMIC checkpoint with its last MLP in W4A16 (all-ones norms,
-    GQA) in vLLM: greedy tokens and log-probs of the reference forward. One engine."""
+    GQA) and an online rotation on every down_proj's input (test_online_rotation) in vLLM,
+    compiled: greedy tokens and log-probs of the reference forward. One engine."""
     import os
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -409,12 +417,14 @@ def test_vllm_serves_a_rotated_checkpoint_like_the_reference(tmp_path, calib_jso
     src = _saved("llama", tmp_path / "sharp", logit_gain=8.0)
     rec = recipes.preset("w8a8-dynamic")
     rec.group_size, rec.rotation = 32, recipes.Rotation(seed=2)
+    rec.online_rotation = recipes.OnlineRotation(seed=3)
     rec.overrides = [recipes.Override("model.layers.1.mlp.*", "w4a16")]
     out = tmp_path / "rotated"
     job.calibrate(str(src), out, rec, calib_jsonl, num_samples=8, seq_len=64, show_progress=False)
     assert verify(out).ok
+    assert "model.layers.1.mlp.down_proj.input_rotation" in _tensors_of(out)
     decisive = []
-    for ref in assert_matches_reference(out, run_engine(out)):
+    for ref in assert_matches_reference(out, run_engine(out, enforce_eager=False)):
         top2 = ref.topk(2, -1).values
         decisive += ((top2[:, 0] - top2[:, 1]) > 10 * LOGPROB_TOL).tolist()
     assert sum(decisive) > 0.5 * len(decisive)          # the comparison is not decided by ties

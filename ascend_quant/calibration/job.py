@@ -18,10 +18,11 @@ from ascend_quant.arch import SAVED_SPEC_KEY, ArchSpec, spec_for_model
 from ascend_quant.arch.spec import config_get
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.recipe import Recipe
+from ascend_quant.calibration.online_rotation import refusal as online_refusal
 from ascend_quant.calibration.rotation import (RotationPlan, refusal as rotation_refusal, rotate_model,
                                                untie_config)
 from ascend_quant.calibration.runner import LayerReport, quantize_model
-from ascend_quant.schemes import FLOAT, SCHEMES, QuantizedLinear, checkpoint_entries, kv_entries
+from ascend_quant.schemes import FLOAT, INPUT_ROTATION, SCHEMES, QuantizedLinear, checkpoint_entries, kv_entries
 
 
 class LayerSpill:
@@ -80,7 +81,10 @@ def checkpoint_tensors(model, results: dict[str, QuantizedLinear],
     quantized = set(results) | set(spilled.schemes if spilled is not None else ())
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, param in model.state_dict().items():
-        prefix = name.rpartition(".")[0]
+        prefix, _, suffix = name.rpartition(".")
+        if suffix == INPUT_ROTATION:     # an online rotation's signs, whatever the Linear's scheme
+            tensors[spec.to_disk(name)], types[spec.to_disk(name)] = param.detach().float(), FLOAT.name
+            continue
         if prefix in quantized or (tied and name == "lm_head.weight"):
             continue
         dtype = float_dtype_of(model, name, model_dtype)
@@ -282,6 +286,13 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         if recipe.awq is not None and not recipe.awq.rotated:
             say("no AWQ: the model is rotated (awq.rotated: false)")
             recipe = replace(recipe, awq=None)
+    online = recipe.online_rotation
+    skipped_online = online_refusal(model, spec) if online is not None else None
+    if skipped_online and not online.where_supported:
+        raise CalibrationError(skipped_online)
+    if skipped_online:
+        say(f"no online rotation: {skipped_online.split(': ', 1)[-1]}")
+        recipe = replace(recipe, online_rotation=None)
     if recipe.gptq.float_target and not recipe.gptq.float_target_unrotated and rotated is None:
         say("GPTQ fits each Linear's own output: the model is not rotated (gptq.float_target_unrotated: false)")
         recipe = replace(recipe, gptq=replace(recipe.gptq, float_target=False))
@@ -374,6 +385,10 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
                      {**meta, "seconds": round(time.perf_counter() - start, 2), "arch_spec": spec.name,
                       **({"rotation": rotated} if rotated is not None else {}),
                       **({"rotation_skipped": skipped_rotation} if skipped_rotation else {}),
+                      **({"online_rotation": {"linears": spec.mlp.down, "kind": "hadamard",
+                                              "seed": recipe.online_rotation.seed}}
+                         if recipe.online_rotation is not None else {}),
+                      **({"online_rotation_skipped": skipped_online} if skipped_online else {}),
                       **({"budget": budget_report} if budget_report is not None else {}),
                       "layers": [{"index": r.index, "seconds": round(r.seconds, 3), "schemes": r.schemes,
                                   "errors": r.errors, "smoothquant_alphas": r.alphas,

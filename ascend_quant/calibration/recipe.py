@@ -14,6 +14,7 @@ overrides matched with shell-style patterns on the module name:
     kv_cache: {dtype: int8, method: mse}
     moe: {tokens: routed, min_tokens: 32}        # MoE experts (see MoE below)
     rotation: {kind: hadamard, r2: true, seed: 0, where_supported: false}  # offline R1/R2 first (rotation.py)
+    online_rotation: {seed: 0}    # a Hadamard on down_proj's input at inference (our runtime only)
     ignore: ["lm_head"]           # module patterns left in float
     float_groups: [down]          # Linear groups left in float, by role (qkv, o, gate_up, down)
     overrides:
@@ -152,6 +153,18 @@ class Rotation:
 
 
 @dataclass
+class OnlineRotation:
+    # a randomized Hadamard on each dense MLP's down_proj input, applied at inference (QuaRot's
+    # online transform, SpinQuant's R4): the checkpoint stores down_proj's weight as w·Q and its
+    # signs as `down_proj.input_rotation`; ascend-quant's runtime serves it, vllm-ascend does not
+    seed: int = 0
+    # True: only where every layer has a dense gated MLP whose width has a Hadamard matrix here;
+    # elsewhere (MoE, discovered) the model is calibrated without it and the record says why.
+    # False: those are an error
+    where_supported: bool = False
+
+
+@dataclass
 class Override:
     match: str
     scheme: str | None = None         # a CLI or description name; "float" keeps the Linear in float
@@ -171,6 +184,7 @@ class Recipe:
     kv_cache: KVCache | None = None
     moe: MoE = field(default_factory=MoE)
     rotation: Rotation | None = None
+    online_rotation: OnlineRotation | None = None
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     # Linear groups left in float, by the architecture spec's role names (qkv, o, gate_up,
     # down): the same Linears in every family, whatever their modules are called
@@ -239,6 +253,8 @@ def _apply(recipe: Recipe, data: dict, where: str) -> None:
             recipe.kv_cache = _build(KVCache, value, at)
         elif key == "rotation":
             recipe.rotation = _build(Rotation, value, at)
+        elif key == "online_rotation":
+            recipe.online_rotation = _build(OnlineRotation, value, at)
         elif key == "moe":
             recipe.moe = _build(MoE, value, at) or MoE()
         elif key == "overrides":
@@ -332,6 +348,11 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
                 or not isinstance(rot.where_supported, bool)):
         raise RecipeError(f"{where}: rotation.kind must be hadamard or random, rotation.r2 and "
                           "rotation.where_supported true or false, rotation.seed an integer")
+    online = recipe.online_rotation
+    if online and (not isinstance(online.seed, int) or isinstance(online.seed, bool)
+                   or not isinstance(online.where_supported, bool)):
+        raise RecipeError(f"{where}: online_rotation.seed must be an integer, online_rotation.where_supported "
+                          "true or false")
     groups = {g.name for spec in FAMILIES
               for g in spec.groups + ((spec.moe.groups + spec.moe.shared_groups) if spec.moe else ())}
     if set(recipe.float_groups) - groups:

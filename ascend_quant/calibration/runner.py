@@ -33,6 +33,7 @@ from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
                                             hessian_sample, observe_activations, quantize_linears, smooths)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
+from ascend_quant.calibration import online_rotation
 from ascend_quant.calibration.recipe import Recipe, Weights
 from ascend_quant.calibration.smoothquant import apply_smoothing
 from ascend_quant.schemes import SCHEMES, QuantizedLinear, is_float
@@ -169,6 +170,8 @@ class _GroupHook:
         weights = {name: m.weight for name, m in self.modules.items()}
         # 1. SmoothQuant: fold s into the producer, scale the input we hold the same way
         producer = self.layer.get_submodule(group.producer) if group.producer is not None else None
+        if producer is not None and any(hasattr(m, online_rotation.Q_ATTR) for m in self.modules.values()):
+            producer = None     # an online rotation sits between the producer and this input
         self.awq = producer is not None and not self.fallback and recipe.awq is not None and bool(recipe.awq.alphas)
         self.smoothed = producer is not None and not self.fallback and not self.awq and \
             smooths(recipe, quantized.values(), isinstance(producer, torch.nn.Linear))
@@ -319,6 +322,8 @@ def _float_forward(layer, spec: ArchSpec, groups: tuple[LinearGroup, ...], x: to
     for m in ref.modules():          # a deep copy carries the layer's hooks along: not on the float copy
         m._forward_pre_hooks.clear()
         m._forward_hooks.clear()
+    for m in online_rotation.rotated_modules(ref):       # but an online input rotation is the model's
+        online_rotation.attach(m)
     mask = valid.reshape(-1)
     all_valid = bool(mask.all())
     captured: dict[str, torch.Tensor] = {}
@@ -407,10 +412,12 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     layers = spec.layers(model)
     # gptq.float_target: the float model's hidden states, run alongside through float copies
     x_float = x.clone() if recipe.gptq.float_target and recipe.activations.observer != "running" else None
+    rotations = torch.Generator().manual_seed(recipe.online_rotation.seed) if recipe.online_rotation else None
     for i, layer in enumerate(layers):
         start = time.perf_counter()
         if stream is not None:              # streamed: this layer's float weights arrive now
             stream.load_layer(i)
+        rotated = [online_rotation.rotate_layer(layer, spec, rotations)] if rotations is not None else []
         prefix = f"{spec.layers_path}.{i}"
         layer_groups = spec.layer_groups(i, model.config)
         experts = experts_of(layer, spec)
@@ -463,7 +470,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                     layer.get_submodule(name[len(prefix) + 1:]).weight = torch.nn.Parameter(
                         torch.empty(0), requires_grad=False)
         if stream is not None:               # what the layer left as it was is read again when writing
-            touched = set().union(*(gq.touched for gq in groups))
+            touched = set().union(*(gq.touched for gq in groups), rotated)
             stream.release([f"{prefix}.{n}" for n, _ in layer.named_parameters()
                             if n.rpartition(".")[0] not in touched and f"{prefix}.{n.rpartition('.')[0]}" not in results])
         memory.trim()                       # this layer's temporaries, back to the system

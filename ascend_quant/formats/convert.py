@@ -81,7 +81,7 @@ from ascend_quant.formats.ascend import (DESCRIPTION_NAME, INDEX_NAME, WEIGHTS_N
 from ascend_quant.arch import ArchSpec, spec_for_config
 from ascend_quant.arch.spec import LAYER_PATTERN
 from ascend_quant import schemes
-from ascend_quant.schemes import C8, FLOAT, SCHEMES, QuantizedLinear, SchemeError, is_float, is_kv, is_linear, w8a8
+from ascend_quant.schemes import C8, FLOAT, INPUT_ROTATION, SCHEMES, QuantizedLinear, SchemeError, is_float, is_kv, is_linear, w8a8
 
 TARGETS = ("ascend-v1", "compressed-tensors")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -431,6 +431,10 @@ def ascend_to_compressed_tensors(ckpt: Checkpoint, out: Path, serve_dtype: torch
     problems = structure_problems(ckpt)
     modules = ckpt.modules()
     spec = spec_for_config(config)
+    rotated = next((p for p, mod in modules.items() if INPUT_ROTATION in mod.suffixes), None)
+    if rotated is not None:
+        raise ConversionError(f"{ckpt.description_file.name}: {rotated} has an online input rotation "
+                              f"({INPUT_ROTATION}); compressed-tensors has no equivalent vLLM serves")
     for prefix, mod in modules.items():     # before verify's MoE rules, which speak of vllm-ascend
         scheme = mod.weight_scheme
         if _is_routed_expert(spec, prefix) and is_linear(scheme) and SCHEMES[scheme].activation_mode == "static":

@@ -18,7 +18,7 @@ from ascend_quant.formats.ascend import (Checkpoint, CheckpointError, TensorInfo
                                          text_config)
 from ascend_quant.formats.checks import checkpoint_value_problems
 from ascend_quant.arch import spec_for_config
-from ascend_quant.schemes import C8, FLOAT, KV_SUFFIXES, SCHEMES, is_kv, is_linear
+from ascend_quant.schemes import C8, FLOAT, INPUT_ROTATION, KV_SUFFIXES, SCHEMES, is_kv, is_linear
 
 
 @dataclass
@@ -54,6 +54,7 @@ def verify(path: str | Path) -> Report:
     _check_fused(ckpt, report)
     report.problems.extend(checkpoint_value_problems(ckpt))
     _value_notes(ckpt, report)
+    _check_input_rotations(ckpt, report)
     gap = spec_for_config(ckpt.config).vllm_ascend_gap
     if gap:
         report.notes.append(gap)
@@ -209,6 +210,33 @@ def _value_notes(ckpt: Checkpoint, report: Report) -> None:
             for note in SCHEMES[mod.weight_scheme].value_notes(prefix, read):
                 if note not in report.notes:
                     report.notes.append(note)
+
+
+def _check_input_rotations(ckpt: Checkpoint, report: Report) -> None:
+    """Online input rotations (`input_rotation` signs beside a Linear's weight): float32 [k], k
+    the weight's in-features, every value ±1, a Hadamard order; and the note that only our
+    runtime serves them."""
+    names = [n for n in ckpt.infos if n.rpartition(".")[2] == INPUT_ROTATION]
+    for name in names:
+        prefix = name.rpartition(".")[0]
+        info, weight = ckpt.infos[name], _info(ckpt, f"{prefix}.weight")
+        where = _rel(ckpt, name)
+        if weight is None or len(weight.shape) != 2:
+            report.problems.append(f"{where}: {name} rotates the input of {prefix}, which has no 2-D weight")
+            continue
+        k = weight.shape[1]
+        if info.dtype != torch.float32 or tuple(info.shape) != (k,):
+            report.problems.append(f"{where}: {name} must be float32 [{k}] (the in-features of {prefix}), is "
+                                   f"{str(info.dtype).replace('torch.', '')} {list(info.shape)}")
+            continue
+        if not bool(torch.all(ckpt.tensor(name).abs() == 1)):
+            report.problems.append(f"{where}: {name} holds values other than +1 and -1")
+        elif numerics.hadamard(k) is None:
+            report.problems.append(f"{where}: {name}: no Hadamard matrix of order {k} (2^a times a Paley order)")
+    if names:
+        report.notes.append(f"online input rotation on {len(names)} Linear(s) ({INPUT_ROTATION}, e.g. "
+                            f"{names[0].rpartition('.')[0]}): served by ascend-quant's runtime at tensor-parallel "
+                            "size 1; vllm-ascend has no parameter for it and fails at load")
 
 
 def _out_features(weight: TensorInfo, scale: TensorInfo | None, packed: bool) -> int:

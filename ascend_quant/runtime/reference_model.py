@@ -4,6 +4,7 @@
 config.json and swaps every quantized Linear for a module that computes the reference
 kernels from the stored tensors (each scheme's `prepare`/`forward` in `ascend_quant.schemes`, reference backend). FLOAT
 tensors load as they are; RMSNorm `.bias` tensors left by smoothing are added after the norm;
+a Linear with `input_rotation` signs reads x·Q (RotatedInput);
 with `kv_cache=True` the C8 scales fake-quantize post-RoPE keys and values per channel.
 The evaluation's quantized perplexity and the vLLM tests compare against this model.
 MoE layers run per-expert Linears (arch/moe.py: each expert through its scheme, the router
@@ -28,7 +29,7 @@ from ascend_quant.formats.ascend import CheckpointError, read_checkpoint
 from ascend_quant.arch import ArchSpec, replace_experts, spec_for_config
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.runtime.kernels import backend as kernel_backend
-from ascend_quant.schemes import LINEAR_SCHEMES, PreparedLinear, is_float, is_kv
+from ascend_quant.schemes import INPUT_ROTATION, LINEAR_SCHEMES, PreparedLinear, is_float, is_kv
 
 
 class ReferenceQuantLinear(nn.Module):
@@ -61,6 +62,23 @@ class NormWithBias(nn.Module):
         return self.norm(x) + self.bias.to(x.dtype)
 
 
+class RotatedInput(nn.Module):
+    """`linear(x·Q)`: a Linear stored with an online input rotation (its weight holds w·Q; Q
+    from the `input_rotation` signs, `numerics.input_rotation`), computed in float32."""
+
+    def __init__(self, linear: nn.Module, signs: torch.Tensor):
+        super().__init__()
+        self.linear = linear
+        parts = numerics.hadamard_parts(signs.numel())
+        if parts is None:
+            raise CheckpointError(f"no Hadamard matrix of order {signs.numel()} for an input_rotation")
+        self.register_buffer("signs", signs.float(), persistent=False)
+        self.register_buffer("core", parts[0].float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(numerics.rotate_activation(x.float(), self.signs, self.core).to(x.dtype))
+
+
 def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
     parent_name, _, leaf = prefix.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -91,8 +109,11 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
     float_state: dict[str, torch.Tensor] = {}
     norm_biases: dict[str, torch.Tensor] = {}
     kv_scales: dict[str, torch.Tensor] = {}
+    rotations: dict[str, torch.Tensor] = {}
     for prefix, mod in modules.items():
         scheme = mod.weight_scheme
+        if INPUT_ROTATION in mod.suffixes:    # an online input rotation, whatever the Linear's scheme
+            rotations[prefix] = tensors[f"{prefix}.{INPUT_ROTATION}"]
         for suffix in mod.suffixes:           # C8 scales sit on the K/V projections, quantized or not
             if is_kv(mod.scheme_of(suffix)):
                 kv_scales[f"{prefix}.{suffix}"] = tensors[f"{prefix}.{suffix}"]
@@ -105,7 +126,7 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
             continue
         for suffix in mod.suffixes:
             name = f"{prefix}.{suffix}"
-            if is_kv(mod.scheme_of(suffix)):
+            if is_kv(mod.scheme_of(suffix)) or suffix == INPUT_ROTATION:
                 continue
             if scheme is not None and not is_float(scheme):
                 raise CheckpointError(f"{ckpt.description_file}: {prefix}.weight has quant type {scheme!r}, "
@@ -128,6 +149,8 @@ def load_reference_model(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch
                               "the model needs a description entry)")
     for prefix, bias in norm_biases.items():
         _set_module(model, prefix, NormWithBias(model.get_submodule(prefix), bias))
+    for prefix, signs in rotations.items():
+        _set_module(model, prefix, RotatedInput(model.get_submodule(prefix), signs))
     if kv_cache and kv_scales:
         enable_c8_simulation(model, kv_scales, spec)
     return model

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ascend_quant.schemes import c8, unquantized, w4a8_dynamic, w4a16, w8a8, w8a8_dynamic, w8a16
 from ascend_quant.schemes.base import (
-    PARAM_KINDS, PreparedLinear, QuantizedLinear, Scheme, SchemeError, TensorSpec, WeightOnlyScheme,
+    INPUT_ROTATION, PARAM_KINDS, PreparedLinear, QuantizedLinear, Scheme, SchemeError, TensorSpec, WeightOnlyScheme,
 )
 
 _MODULES = (w8a8, w8a8_dynamic, w8a16, w4a16, w4a8_dynamic, c8, unquantized)
@@ -84,7 +84,7 @@ def kv_entries(prefix: str, scale) -> dict[str, tuple]:
     return {f"{prefix}.{suffix}": (t, C8.name) for suffix, t in C8.pack_kv(scale).items()}
 
 
-__all__ = ["Scheme", "TensorSpec", "QuantizedLinear", "PreparedLinear", "WeightOnlyScheme", "SchemeError",
+__all__ = ["INPUT_ROTATION", "Scheme", "TensorSpec", "QuantizedLinear", "PreparedLinear", "WeightOnlyScheme", "SchemeError",
            "PARAM_KINDS", "SCHEMES", "CLI_NAMES", "LINEAR_SCHEMES", "KV_SUFFIXES", "W4A8_GROUP_TENSORS",
            "W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC", "C8", "FLOAT",
            "get_scheme", "matching", "more_precise", "is_float", "is_kv", "is_linear", "checkpoint_entries", "kv_entries"]

@@ -27,6 +27,9 @@ from ascend_quant import numerics
 #   channel       [n] or [n, 1], sharded along n
 #   group         [n, k/g], sharded along n and (row-parallel) along k
 PARAM_KINDS = ("weight", "packed_weight", "per_shard", "channel", "group")
+# a Linear computed on x·Q (an online input rotation; numerics.input_rotation) stores Q's signs
+# as this FLOAT float32 [k] tensor beside its weight, which holds w·Q; any scheme, FLOAT included
+INPUT_ROTATION = "input_rotation"
 _F32 = (torch.float32,)
 
 

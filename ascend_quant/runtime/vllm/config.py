@@ -25,7 +25,7 @@ import torch
 
 from ascend_quant.formats.ascend import CheckpointError, DESCRIPTION_NAME, TOP_LEVEL_KEYS, read_checkpoint
 from ascend_quant.arch import DEFAULT as DEFAULT_SPEC, ArchSpec, spec_for_config
-from ascend_quant.schemes import SCHEMES, W4A8_GROUP_TENSORS, is_float, is_kv, is_linear
+from ascend_quant.schemes import INPUT_ROTATION, SCHEMES, W4A8_GROUP_TENSORS, is_float, is_kv, is_linear
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
@@ -164,12 +164,17 @@ class AscendQuantConfig(QuantizationConfig):
             raise ValueError(f"{self.description_file}: fused layers disagree in quant type ({detail})")
         scheme = next(iter(schemes.values()))
         norm_bias = self.norm_bias_key(prefix)
+        rotated = [f"{p}.{INPUT_ROTATION}" in self.description for p in shards]
+        if any(rotated) and (len(shards) > 1 or not all(rotated)):
+            raise ValueError(f"{self.description_file}: {prefix} fuses {', '.join(shards)}; an online input "
+                             "rotation is served on unfused Linears only")
+        rotation = bool(any(rotated))
         if is_float(scheme):
-            return AscendQuantFloatLinearMethod(prefix, norm_bias)
+            return AscendQuantFloatLinearMethod(prefix, norm_bias, rotation)
         if not is_linear(scheme):
             raise ValueError(f"{self.description_file}: key {shards[0] + '.weight'!r} has quant type {scheme!r}, "
                              "which is not a Linear scheme")
-        return AscendQuantLinearMethod(self, scheme, prefix, shards, norm_bias)
+        return AscendQuantLinearMethod(self, scheme, prefix, shards, norm_bias, rotation)
 
     def experts_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for a layer's routed experts: one scheme for all of them, read from each

@@ -13,6 +13,7 @@ k = its in-features) with a parameter kind, mapped here to vLLM's classes:
 | channel ([n] or [n, 1]) | ChannelQuantScaleParameter |
 | group ([n, k/g]) | GroupQuantScaleParameter |
 | input_bias (a norm's smoothing bias, [k]) | BasevLLMParameter |
+| input_rotation (an online rotation's signs, [k]) | BasevLLMParameter (not split: tensor parallel 1) |
 
 A spec's `on_load` (deq_scale: either stored encoding to float32) wraps the weight loader.
 """
@@ -23,9 +24,10 @@ import os
 
 import torch
 
+from ascend_quant import numerics
 from ascend_quant.runtime import kernels
 from ascend_quant.runtime.vllm import ops
-from ascend_quant.schemes import FLOAT, LINEAR_SCHEMES, SCHEMES, PreparedLinear, SchemeError, TensorSpec
+from ascend_quant.schemes import FLOAT, INPUT_ROTATION, LINEAR_SCHEMES, SCHEMES, PreparedLinear, SchemeError, TensorSpec
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
@@ -78,6 +80,31 @@ def _add_norm_bias(layer: torch.nn.Module, input_size: int, weight_loader) -> No
         data=torch.zeros(input_size, dtype=torch.float32), weight_loader=weight_loader))
 
 
+def _add_input_rotation(layer: torch.nn.Module, input_size: int, weight_loader) -> None:
+    """The `input_rotation` signs [k] of an online input rotation (numerics.input_rotation); the
+    full k on every rank, so a row-parallel Linear split across ranks is refused."""
+    if getattr(layer, "tp_size", 1) > 1 and isinstance(layer, RowParallelLinear):
+        raise ValueError("an online input rotation (input_rotation) spans all in-features; serve this checkpoint "
+                         "with tensor_parallel_size 1")
+    layer.register_parameter(INPUT_ROTATION, BasevLLMParameter(
+        data=torch.empty(input_size, dtype=torch.float32), weight_loader=weight_loader))
+
+
+def _prepare_input_rotation(layer: torch.nn.Module) -> None:
+    """The signs and Hadamard core (float32) of Q from the loaded signs; the parameter is emptied."""
+    signs = getattr(layer, INPUT_ROTATION).data.float()
+    parts = numerics.hadamard_parts(signs.numel())
+    if parts is None or not bool(torch.all(signs.abs() == 1)):
+        raise ValueError(f"{INPUT_ROTATION} must hold +1 / -1 signs of a Hadamard order (2^a times a Paley order)")
+    layer.ascend_input_signs, layer.ascend_input_core = signs, parts[0].float().to(signs.device)
+    getattr(layer, INPUT_ROTATION).data = torch.empty(0)
+
+
+def _rotate(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x·Q in float32, back in x's dtype (numerics.rotate_activation: torch ops, traced when compiled)."""
+    return numerics.rotate_activation(x.float(), layer.ascend_input_signs, layer.ascend_input_core).to(x.dtype)
+
+
 def _vllm_parameter(spec: TensorSpec, shards: int, loader):
     """The vLLM parameter class that shards a scheme tensor of this kind (schemes.PARAM_KINDS)."""
     if spec.on_load is not None:
@@ -105,12 +132,14 @@ class AscendQuantLinearMethod(LinearMethodBase):
 
     SCHEMES = LINEAR_SCHEMES
 
-    def __init__(self, config, scheme: str, prefix: str, shards: list[str], norm_bias: str | None = None):
+    def __init__(self, config, scheme: str, prefix: str, shards: list[str], norm_bias: str | None = None,
+                 input_rotation: bool = False):
         self.config = config
         self.scheme = scheme
         self.prefix = prefix
         self.shards = shards
         self.norm_bias = norm_bias
+        self.input_rotation = input_rotation
 
     # ------------------------------------------------------------------ declare
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
@@ -139,11 +168,15 @@ class AscendQuantLinearMethod(LinearMethodBase):
             layer.register_parameter(name, _vllm_parameter(spec, len(output_partition_sizes), loader))
         if self.norm_bias:
             _add_norm_bias(layer, k, loader)
+        if self.input_rotation:
+            _add_input_rotation(layer, k, loader)
 
     # ------------------------------------------------------------------ after loading
     def process_weights_after_loading(self, layer) -> None:
+        if self.input_rotation:
+            _prepare_input_rotation(layer)
         t = {name: p.data for name, p in layer.named_parameters(recurse=False)
-             if name not in ("bias", "input_bias")}
+             if name not in ("bias", "input_bias", INPUT_ROTATION)}
         refuse_bad_values(layer, self.prefix, self.scheme, self.shards)
         for name, param in layer.named_parameters(recurse=False):
             if isinstance(param, PerTensorScaleParameter):
@@ -177,6 +210,8 @@ class AscendQuantLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.norm_bias:
             x = x + layer.input_bias_cast
+        if self.input_rotation:
+            x = _rotate(layer, x)
         if torch.compiler.is_compiling() and not layer.ascend_traceable:
             # one opaque custom op: vLLM's compiled mode must not trace into the kernels, unless
             # the backend says they are torch ops only (CpuBackend.traceable)
@@ -191,10 +226,11 @@ class AscendQuantFloatLinearMethod(UnquantizedLinearMethod):
     """A FLOAT Linear: its loaded values are checked (finite), and an input norm's smoothing
     bias, if the checkpoint has one, is added to its input."""
 
-    def __init__(self, prefix: str, norm_bias: str | None = None):
+    def __init__(self, prefix: str, norm_bias: str | None = None, input_rotation: bool = False):
         super().__init__()
         self.prefix = prefix
         self.norm_bias = norm_bias
+        self.input_rotation = input_rotation
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
@@ -202,12 +238,18 @@ class AscendQuantFloatLinearMethod(UnquantizedLinearMethod):
                                output_size, params_dtype, **extra_weight_attrs)
         if self.norm_bias:
             _add_norm_bias(layer, input_size_per_partition, extra_weight_attrs["weight_loader"])
+        if self.input_rotation:
+            _add_input_rotation(layer, input_size_per_partition, extra_weight_attrs["weight_loader"])
 
     def process_weights_after_loading(self, layer) -> None:
         refuse_bad_values(layer, self.prefix, FLOAT.name)
+        if self.input_rotation:
+            _prepare_input_rotation(layer)
         super().process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias=None):
         if self.norm_bias:
             x = x + layer.input_bias.to(x.dtype)
+        if self.input_rotation:
+            x = _rotate(layer, x)
         return super().apply(layer, x, bias)
