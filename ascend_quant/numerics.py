@@ -413,19 +413,32 @@ def input_rotation(signs: torch.Tensor) -> torch.Tensor:
     return signs.reshape(k, 1).to(torch.float64) * h / k ** 0.5
 
 
-def rotate_activation(x: torch.Tensor, signs: torch.Tensor, core: torch.Tensor) -> torch.Tensor:
-    """x·Q for Q = `input_rotation(signs)` without forming Q: with H = H2^(⊗r) ⊗ P
-    (`hadamard_parts`; `core` is P in x's dtype and device), x·diag(signs) viewed as
-    [.., 2^r, c] is multiplied by P on its last axis, then r butterflies (u + v, u - v) apply
-    H2 on each binary axis of the 2^r one; O(k (c + r)) per row instead of O(k^2). Torch ops
-    only (compiled mode traces it)."""
-    k, c = signs.numel(), core.shape[0]
-    y = (x * signs).reshape(-1, k // c, c) @ core
-    half = 1
-    while half < k // c:
-        y = y.reshape(y.shape[0], -1, 2, half, c)
-        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
-        half *= 2
+def rotation_factors(n: int, block: int = 64) -> tuple[torch.Tensor, ...] | None:
+    """`hadamard(n)` as a Kronecker product F_1 ⊗ ... ⊗ F_j (float64) of Sylvester blocks of
+    order <= `block` and the Paley core last, for `rotate_activation`; None where `hadamard`
+    has none."""
+    parts = hadamard_parts(n)
+    if parts is None:
+        return None
+    core, r = parts
+    pieces = -(-r // max(1, block.bit_length() - 1))            # as few blocks as `block` allows,
+    chunks = [r // pieces + (i < r % pieces) for i in range(pieces)]   # of near-equal orders
+    blocks = tuple(hadamard(1 << c) for c in chunks)
+    return blocks if core.shape[0] == 1 and blocks else (*blocks, core)
+
+
+def rotate_activation(x: torch.Tensor, signs: torch.Tensor, factors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x·Q for Q = `input_rotation(signs)` without forming Q (`factors` from `rotation_factors`,
+    in x's dtype and device): x·(F_1 ⊗ F_2 ⊗ ... ⊗ P) is F_1ᵀ, F_2ᵀ, ... applied from the left
+    to x·diag(signs) viewed as [n_1, n_2, ..., c] and P from the right, one matmul each:
+    O(k (n_1 + ... + c)) per row instead of O(k²). Torch ops only (compiled mode traces it)."""
+    k = signs.numel()
+    y = x * signs
+    rows = y.numel() // k
+    for f in factors[:-1]:
+        y = f.t() @ y.reshape(rows, f.shape[0], -1)
+        rows *= f.shape[0]
+    y = y.reshape(-1, factors[-1].shape[0]) @ factors[-1]
     return (y * (1.0 / k ** 0.5)).reshape(x.shape)
 
 

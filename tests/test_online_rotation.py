@@ -47,13 +47,12 @@ def test_the_rotation_is_a_signed_sylvester_hadamard():
         numerics.input_rotation(torch.ones(6))
 
 
-@pytest.mark.parametrize("k", [1, 12, 64, 160, 576, 1536, 2048])
+@pytest.mark.parametrize("k", [1, 2, 12, 64, 160, 576, 1536, 2048, 8192])
 def test_the_fast_transform_is_the_matrix_product(k):
-    """rotate_activation (a Paley core, then butterflies) against x·Q with Q formed (float64)."""
+    """rotate_activation (one matmul per Kronecker factor) against x·Q with Q formed (float64)."""
     signs = numerics.rotation_signs(k, torch.Generator().manual_seed(k))
-    core, _ = numerics.hadamard_parts(k)
     x = torch.randn(3, 5, k, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    got = numerics.rotate_activation(x, signs.double(), core)
+    got = numerics.rotate_activation(x, signs.double(), numerics.rotation_factors(k))
     assert got.shape == x.shape
     assert torch.allclose(got, x @ numerics.input_rotation(signs), atol=1e-12)
 

@@ -22,7 +22,7 @@ from ascend_quant import numerics
 from ascend_quant.arch import ArchSpec
 from ascend_quant.schemes import INPUT_ROTATION
 
-# (signs, Paley core) of a rotated module, float32, for its pre-hook (not in the state dict)
+# (signs, Kronecker factors of H) of a rotated module, float32, for its pre-hook (not in the state dict)
 Q_ATTR = "ascend_input_rotation"
 
 
@@ -41,8 +41,8 @@ def refusal(model: torch.nn.Module, spec: ArchSpec) -> str | None:
 
 def _rotate_hook(module, args):
     x = args[0]
-    signs, core = getattr(module, Q_ATTR)
-    return (numerics.rotate_activation(x, signs.to(x.dtype), core.to(x.dtype)), *args[1:])
+    signs, factors = getattr(module, Q_ATTR)
+    return (numerics.rotate_activation(x, signs.to(x.dtype), tuple(f.to(x.dtype) for f in factors)), *args[1:])
 
 
 def attach(module: torch.nn.Module) -> None:
@@ -60,10 +60,10 @@ def rotate_layer(layer: torch.nn.Module, spec: ArchSpec, generator: torch.Genera
     the input hook. Call before any calibration hook is registered on it. Returns its path."""
     down = layer.get_submodule(spec.mlp.down)
     signs = numerics.rotation_signs(down.weight.shape[1], generator)
-    core, _ = numerics.hadamard_parts(signs.numel())
+    factors = numerics.rotation_factors(signs.numel())
     w = down.weight.data        # w·Q: each row of w is rotated as an input row would be (float64)
-    down.weight.data = numerics.rotate_activation(w.double(), signs.double(), core).to(w.dtype)
+    down.weight.data = numerics.rotate_activation(w.double(), signs.double(), factors).to(w.dtype)
     down.register_buffer(INPUT_ROTATION, signs)
-    setattr(down, Q_ATTR, (signs, core.float()))
+    setattr(down, Q_ATTR, (signs, tuple(f.float() for f in factors)))
     attach(down)
     return spec.mlp.down

@@ -69,14 +69,17 @@ class RotatedInput(nn.Module):
     def __init__(self, linear: nn.Module, signs: torch.Tensor):
         super().__init__()
         self.linear = linear
-        parts = numerics.hadamard_parts(signs.numel())
-        if parts is None:
+        factors = numerics.rotation_factors(signs.numel())
+        if factors is None:
             raise CheckpointError(f"no Hadamard matrix of order {signs.numel()} for an input_rotation")
         self.register_buffer("signs", signs.float(), persistent=False)
-        self.register_buffer("core", parts[0].float(), persistent=False)
+        for i, f in enumerate(factors):                   # buffers: they follow the model's device
+            self.register_buffer(f"factor{i}", f.float(), persistent=False)
+        self.n_factors = len(factors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(numerics.rotate_activation(x.float(), self.signs, self.core).to(x.dtype))
+        factors = tuple(getattr(self, f"factor{i}") for i in range(self.n_factors))
+        return self.linear(numerics.rotate_activation(x.float(), self.signs, factors).to(x.dtype))
 
 
 def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:

@@ -91,18 +91,19 @@ def _add_input_rotation(layer: torch.nn.Module, input_size: int, weight_loader) 
 
 
 def _prepare_input_rotation(layer: torch.nn.Module) -> None:
-    """The signs and Hadamard core (float32) of Q from the loaded signs; the parameter is emptied."""
+    """The signs and H's Kronecker factors (float32) of Q from the loaded signs; the parameter is emptied."""
     signs = getattr(layer, INPUT_ROTATION).data.float()
-    parts = numerics.hadamard_parts(signs.numel())
-    if parts is None or not bool(torch.all(signs.abs() == 1)):
+    factors = numerics.rotation_factors(signs.numel())
+    if factors is None or not bool(torch.all(signs.abs() == 1)):
         raise ValueError(f"{INPUT_ROTATION} must hold +1 / -1 signs of a Hadamard order (2^a times a Paley order)")
-    layer.ascend_input_signs, layer.ascend_input_core = signs, parts[0].float().to(signs.device)
+    layer.ascend_input_signs = signs
+    layer.ascend_input_factors = tuple(f.float().to(signs.device) for f in factors)
     getattr(layer, INPUT_ROTATION).data = torch.empty(0)
 
 
 def _rotate(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x·Q in float32, back in x's dtype (numerics.rotate_activation: torch ops, traced when compiled)."""
-    return numerics.rotate_activation(x.float(), layer.ascend_input_signs, layer.ascend_input_core).to(x.dtype)
+    return numerics.rotate_activation(x.float(), layer.ascend_input_signs, layer.ascend_input_factors).to(x.dtype)
 
 
 def _vllm_parameter(spec: TensorSpec, shards: int, loader):
