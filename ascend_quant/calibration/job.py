@@ -267,6 +267,9 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     if budget is not None:            # and on a budget it cannot meet by construction
         from ascend_quant.calibration import budget as budgets
         budgets.fallback_for(recipe, budget)
+        if recipe.online_rotation is not None and recipe.online_rotation.where_supported:
+            say("no online rotation: the quality budget's mixed model has none yet")
+            recipe = replace(recipe, online_rotation=None)
         budgets.check_supported(recipe, spec)
     # layers stored after the model's own (MTP): copied as they are (refused now if quantized)
     source_files = loaded.stream.files if loaded.stream is not None else _weight_files(local)

@@ -32,6 +32,10 @@ from ascend_quant.schemes import CLI_NAMES
               help="Fold a randomized Hadamard rotation (R1 residual, R2 per head) into the float model first "
               "(the recipe's `rotation`, else hadamard with R2, seed 0), refusing a family that takes none; "
               "--no-rotate: none. Default: the recipe's (w8a8-dynamic: where the family takes one).")
+@click.option("--online-rotation/--no-online-rotation", default=None,
+              help="A Hadamard on every dense down_proj's input at inference (the recipe's `online_rotation`, "
+              "else seed 0), refusing a model that takes none; served by ascend-quant's runtime, not by "
+              "vllm-ascend. Default: the recipe's (w4a8: where the model takes one).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
@@ -43,7 +47,7 @@ from ascend_quant.schemes import CLI_NAMES
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document (the run and the budget's report) "
               "instead of the tables.")
 def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_path, dataset, num_samples, seq_len,
-                  no_packing, chat_template, ignore, smoothquant_alpha, method, rotate, device, seed, threads,
+                  no_packing, chat_template, ignore, smoothquant_alpha, method, rotate, online_rotation, device, seed, threads,
                   max_ppl_increase, fallback_scheme, as_json):
     """Calibrate MODEL (a local folder or Hub id; default: the embedded SmolLM2-135M) into OUT."""
     import dataclasses
@@ -85,6 +89,11 @@ def calibrate_cmd(model, out, scheme, kv_cache, kv_method, group_size, recipe_pa
             recipe.rotation = dataclasses.replace(recipe.rotation or recipes.Rotation(), where_supported=False)
         elif rotate is False:
             recipe.rotation = None
+        if online_rotation:
+            recipe.online_rotation = dataclasses.replace(recipe.online_rotation or recipes.OnlineRotation(),
+                                                         where_supported=False)
+        elif online_rotation is False:
+            recipe.online_rotation = None
         recipes.validate(recipe, "command line")
         if device != "cpu" and not _device_available(device):
             raise click.UsageError(f"--device {device}: no {device} device is available here")
