@@ -120,10 +120,19 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
 # ----------------------------------------------------------------------- vLLM end to end
 
 E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a16", "w4a8")
+# more engines: name -> (scheme, calibrate flags), for what a preset's option costs at inference
+E2E_VARIANTS = {"w4a8 (no online rotation)": ("w4a8", ["--no-online-rotation"])}
 PREFILL = (16, 256)            # prompts x tokens, one token generated
 DECODE = (8, 32, 32)           # sequences x prompt tokens x generated tokens
 WARMUP = (4, 64)               # prompts x tokens, 4 generated, before any timing
 REPEATS = 3                    # prefill and decode runs per engine; the fastest counts
+
+
+def _preset_tag(scheme: str) -> str:
+    """A short hash of the scheme's preset recipe, so that cached benchmark checkpoints follow it."""
+    import hashlib
+    from ascend_quant.calibration.recipe import preset
+    return hashlib.sha256(preset(scheme).to_yaml().encode()).hexdigest()[:8]
 
 
 def bench_checkpoints(model: Path, ct: str | None, float32_quantized: bool = False
@@ -132,20 +141,25 @@ def bench_checkpoints(model: Path, ct: str | None, float32_quantized: bool = Fal
     cache = Path(os.environ.get("ASCEND_QUANT_CACHE", Path.home() / ".cache" / "ascend-quant"))
     engines: dict[str, tuple[str, str | None, str]] = {"bf16": (str(model), None, "bfloat16"),
                                                        "fp32": (str(model), None, "float32")}
-    for scheme in E2E_SCHEMES:
-        out = cache / f"bench-{scheme}"
+    runs = {name: (name, []) for name in E2E_SCHEMES} | E2E_VARIANTS
+    folders: dict[str, Path] = {}
+    for name, (scheme, flags) in runs.items():
+        # the folder names the preset's code version: a changed preset is calibrated again
+        out = cache / f"bench-{name.replace(' ', '-').replace('(', '').replace(')', '')}-{_preset_tag(scheme)}"
         if not (out / "quant_model_description.json").exists():
             print(f"[e2e] calibrating {out} ...", file=sys.stderr, flush=True)
             extra = ["--group-size", "0"] if scheme == "w4a8" else []
             subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "calibrate", str(model), "-o", str(out),
-                            "--scheme", scheme, "--method", "minmax", "--num-samples", "16", *extra], check=True)
-        engines[f"ascend {scheme}"] = (str(out), "ascend", "bfloat16")
+                            "--scheme", scheme, "--method", "minmax", "--num-samples", "16", *extra, *flags],
+                           check=True)
+        folders[name] = out
+        engines[f"ascend {name}"] = (str(out), "ascend", "bfloat16")
         if float32_quantized:
-            engines[f"ascend {scheme} (fp32 activations)"] = (str(out), "ascend", "float32")
+            engines[f"ascend {name} (fp32 activations)"] = (str(out), "ascend", "float32")
     if ct is None:
-        ct_dir = cache / "bench-w8a8-dynamic-compressed-tensors"
+        ct_dir = folders["w8a8-dynamic"].with_name(folders["w8a8-dynamic"].name + "-compressed-tensors")
         if not (ct_dir / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "convert", str(cache / "bench-w8a8-dynamic"),
+            subprocess.run([sys.executable, "-m", "ascend_quant.cli.main", "convert", str(folders["w8a8-dynamic"]),
                             "-o", str(ct_dir), "--to", "compressed-tensors"], check=True)
         ct = str(ct_dir)
     engines["vLLM int8 (compressed-tensors w8a8)"] = (ct, None, "bfloat16")
