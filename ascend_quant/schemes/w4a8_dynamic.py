@@ -41,9 +41,9 @@ class W4A8Dynamic(Scheme):
     # on the tiny random test MoEs AWQ raised Mixtral's logit error from 0.33 to 0.56.
     # Stop 36: the online rotation of down_proj's input (`online_rotation`, dense models; dense
     # W4A8 is served by our runtime only, so an online transform costs no compatibility).
-    # Selection split, a patched prototype of it: SmolLM2 (128 x 512 fit windows, 16k selection
-    # tokens) +10.01% / +9.26% (seeds 7 / 8) against +11.73%; Gemma-3-270m (64 windows, 8192
-    # tokens) +10.64% against +13.49%.
+    # Selection split: SmolLM2 (128 x 512 fit windows, 16k selection tokens) +9.88% (a patched
+    # prototype: +10.01% / +9.26%, seeds 7 / 8) against +11.73%; Gemma-3-270m (64 windows, 8192
+    # tokens) +10.62% (prototype +10.64%) against +13.49%.
     preset = {"method": "gptq", "rotation": {"where_supported": True}, "online_rotation": {"where_supported": True},
               "gptq": {"hessian_tokens": 16384},
               "awq": {"score": "final", "alphas": [0.0, 0.1, 0.2, 0.3, 0.4, 0.5], "rotated": False,
