@@ -119,7 +119,7 @@ def render_card(description: dict[str, str], meta: dict, calib: dict, recipe: st
     if isinstance(rot, dict):
         r2 = f", R2 per KV head (head_dim {rot.get('head_dim')})" if rot.get("r2") else ""
         untied = "; lm_head untied from the embeddings" if rot.get("untied_embeddings") else ""
-        lines += ["", f"Rotated first, folded into the weights (no online transform): R1 {rot.get('kind')} on the "
+        lines += ["", f"Rotated first, folded into the weights offline: R1 {rot.get('kind')} on the "
                       f"residual stream (hidden {rot.get('hidden_size')}){r2}; norm gains folded into the Linears, "
                       f"so the norms are all ones{untied}."]
     online = calib.get("online_rotation")
