@@ -162,15 +162,22 @@ def test_recipe_keys_are_checked(tmp_path):
         recipes.load_recipe(bad)
 
 
-def test_the_flags_turn_the_w4a8_presets_rotation_off_or_require_it(tmp_path, saved, calib_jsonl):
+def test_the_flags_turn_it_on_or_off(tmp_path, saved, calib_jsonl):
     from moe_helpers import build_tiny_moe
-    base = ["--scheme", "w4a8", "--group-size", "32", "--dataset", calib_jsonl, "--num-samples", "2",
-            "--seq-len", "32", "--threads", "1"]
+    data = ["--dataset", calib_jsonl, "--num-samples", "2", "--seq-len", "32", "--threads", "1"]
+    base = ["--scheme", "w4a8", "--group-size", "32", *data]
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("scheme: w4a8\ngroup_size: 32\nonline_rotation: {seed: 4}\n")
     out = tmp_path / "off"
-    result = CliRunner().invoke(cli, ["calibrate", str(saved["llama"]), "-o", str(out), "--no-online-rotation", *base])
+    result = CliRunner().invoke(cli, ["calibrate", str(saved["llama"]), "-o", str(out), "--recipe", str(recipe_file),
+                                      "--no-online-rotation", *data])
     assert result.exit_code == 0, result.output
     assert "online_rotation" not in json.loads((out / "ascend_quant_calibration.json").read_text())
     assert "online_rotation: null" in (out / "ascend_quant_recipe.yaml").read_text()
+    out = tmp_path / "on"
+    result = CliRunner().invoke(cli, ["calibrate", str(saved["llama"]), "-o", str(out), "--online-rotation", *base])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "ascend_quant_calibration.json").read_text())["online_rotation"]["seed"] == 0
     moe = build_tiny_moe("qwen3_moe", tmp_path / "moe")
     result = CliRunner().invoke(cli, ["calibrate", str(moe), "-o", str(tmp_path / "m"), "--online-rotation", *base])
     errors = [line for line in result.output.splitlines() if line.startswith("Error")]

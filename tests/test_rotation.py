@@ -264,18 +264,17 @@ def _calibrate_with_the_preset(saved, family, out, calib_jsonl, scheme):
 def test_the_w4a8_preset_rotates_or_scales(tmp_path, saved, calib_jsonl, family, rotated):
     """No flags but the scheme: W4A8 rotates the Llama and does not scale it (the saved recipe
     has no AWQ, no group has an alpha); on Gemma, which takes no rotation, AWQ searches (an
-    alpha or no scaling for every group with a producer but down_proj's, whose input the online
-    rotation, in both, turns)."""
+    alpha or no scaling for every group with a producer)."""
     calib, recipe_text = _calibrate_with_the_preset(saved, family, tmp_path / family, calib_jsonl, "w4a8")
     assert ("rotation" in calib) is rotated
-    assert calib["online_rotation"]["linears"] == "mlp.down_proj"
+    assert "online_rotation" not in calib
     assert not any(layer["smoothquant_alphas"] for layer in calib["layers"])
     if rotated:
         assert "awq: null" in recipe_text and "smoothquant: null" in recipe_text
         assert not any("awq_alphas" in layer for layer in calib["layers"])
     else:
         assert "rotated: false" in recipe_text
-        assert all(set(layer["awq_alphas"]) == {"qkv", "gate_up"} for layer in calib["layers"])
+        assert all(set(layer["awq_alphas"]) == {"qkv", "gate_up", "down"} for layer in calib["layers"])
 
 
 @pytest.mark.parametrize("family,rotated", [("llama", True), ("gemma3", False)])

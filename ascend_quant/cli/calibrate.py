@@ -35,7 +35,7 @@ from ascend_quant.schemes import CLI_NAMES
 @click.option("--online-rotation/--no-online-rotation", default=None,
               help="A Hadamard on every dense down_proj's input at inference (the recipe's `online_rotation`, "
               "else seed 0), refusing a model that takes none; served by ascend-quant's runtime, not by "
-              "vllm-ascend. Default: the recipe's (w4a8: where the model takes one).")
+              "vllm-ascend. Default: the recipe's (no preset has one).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
