@@ -152,13 +152,11 @@ def test_the_budget_refuses_it_in_one_line(tmp_path, saved, calib_jsonl):
     assert not (tmp_path / "o").exists()
 
 
-def test_recipe_keys_are_checked(tmp_path):
+@pytest.mark.parametrize("body,message", [("{seed: x}", "online_rotation.seed"), ("{kind: random}", "unknown key")])
+def test_recipe_keys_are_checked(tmp_path, body, message):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("scheme: w4a8\nonline_rotation: {seed: x}\n")
-    with pytest.raises(recipes.RecipeError, match="online_rotation.seed"):
-        recipes.load_recipe(bad)
-    bad.write_text("scheme: w4a8\nonline_rotation: {kind: random}\n")
-    with pytest.raises(recipes.RecipeError, match="unknown key"):
+    bad.write_text(f"scheme: w4a8\nonline_rotation: {body}\n")
+    with pytest.raises(recipes.RecipeError, match=message):
         recipes.load_recipe(bad)
 
 
