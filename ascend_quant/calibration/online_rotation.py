@@ -34,7 +34,7 @@ def refusal(model: torch.nn.Module, spec: ArchSpec) -> str | None:
         return f"{spec.name}: no online rotation: its architecture spec names no dense gated MLP"
     for layer in spec.layers(model):
         k = layer.get_submodule(spec.mlp.down).weight.shape[1]
-        if numerics.hadamard(k) is None:
+        if numerics.hadamard_parts(k) is None:
             return f"{spec.name}: no online rotation: no Hadamard matrix of order {k} here (2^a times a Paley order)"
     return None
 

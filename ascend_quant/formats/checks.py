@@ -12,6 +12,7 @@ method (which sees the loaded parameters) to apply alike:
 | deq_scale | the same, after decoding (int64 holds float32 bits, and nothing above them) |
 | input_offset | finite, integral, in [-128, 127] (an int8 zero point) |
 | quant_bias | int32 (a float one must at least be finite) |
+| input_rotation | +1 / -1 signs, as many as a Hadamard order here (an online input rotation) |
 | any other floating-point tensor (FLOAT weights, offsets, scale_bias, biases) | finite |
 
 Integer weights (int8, packed int4) hold no invalid byte; their shapes are `verify`'s business.
@@ -26,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from ascend_quant import numerics
 from ascend_quant.formats.ascend import Checkpoint
-from ascend_quant.schemes import is_float
+from ascend_quant.schemes import INPUT_ROTATION, is_float
 
 SCALE_SUFFIXES = frozenset({"weight_scale", "weight_scale_second", "input_scale", "deq_scale",
                             "kv_cache_scale", "k_cache_scale", "v_cache_scale"})
@@ -54,6 +55,12 @@ def tensor_problems(name: str, qtype: str | None, tensor: torch.Tensor) -> list[
         return [] if tensor.dtype == torch.int32 else [f"{name} is {_dtype(tensor)}; quant_bias must be int32"]
     if suffix == "input_offset":
         return _zero_point_problems(name, tensor)
+    if suffix == INPUT_ROTATION:
+        if not bool(torch.all(tensor.abs() == 1)):
+            return [f"{name} holds values other than +1 and -1"]
+        if numerics.hadamard_parts(tensor.numel()) is None:
+            return [f"{name}: no Hadamard matrix of order {tensor.numel()} (2^a times a Paley order)"]
+        return []
     if tensor.is_floating_point():
         return _finite_problems(name, tensor)
     return []

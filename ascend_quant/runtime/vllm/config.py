@@ -168,7 +168,7 @@ class AscendQuantConfig(QuantizationConfig):
         if any(rotated) and (len(shards) > 1 or not all(rotated)):
             raise ValueError(f"{self.description_file}: {prefix} fuses {', '.join(shards)}; an online input "
                              "rotation is served on unfused Linears only")
-        rotation = bool(any(rotated))
+        rotation = any(rotated)
         if is_float(scheme):
             return AscendQuantFloatLinearMethod(prefix, norm_bias, rotation)
         if not is_linear(scheme):

@@ -91,11 +91,10 @@ def _add_input_rotation(layer: torch.nn.Module, input_size: int, weight_loader) 
 
 
 def _prepare_input_rotation(layer: torch.nn.Module) -> None:
-    """The signs and H's Kronecker factors (float32) of Q from the loaded signs; the parameter is emptied."""
+    """The signs and H's Kronecker factors (float32) of Q from the loaded signs, which
+    `refuse_bad_values` has checked; the parameter is emptied."""
     signs = getattr(layer, INPUT_ROTATION).data.float()
     factors = numerics.rotation_factors(signs.numel())
-    if factors is None or not bool(torch.all(signs.abs() == 1)):
-        raise ValueError(f"{INPUT_ROTATION} must hold +1 / -1 signs of a Hadamard order (2^a times a Paley order)")
     layer.ascend_input_signs = signs
     layer.ascend_input_factors = tuple(f.float().to(signs.device) for f in factors)
     getattr(layer, INPUT_ROTATION).data = torch.empty(0)
@@ -174,11 +173,11 @@ class AscendQuantLinearMethod(LinearMethodBase):
 
     # ------------------------------------------------------------------ after loading
     def process_weights_after_loading(self, layer) -> None:
+        refuse_bad_values(layer, self.prefix, self.scheme, self.shards)
         if self.input_rotation:
             _prepare_input_rotation(layer)
         t = {name: p.data for name, p in layer.named_parameters(recurse=False)
              if name not in ("bias", "input_bias", INPUT_ROTATION)}
-        refuse_bad_values(layer, self.prefix, self.scheme, self.shards)
         for name, param in layer.named_parameters(recurse=False):
             if isinstance(param, PerTensorScaleParameter):
                 values = t[name].reshape(-1)
