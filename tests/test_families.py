@@ -262,7 +262,7 @@ def test_vllm_serves_calibrated_gemma_like_the_reference(family, tmp_path, calib
             desc[f"model.layers.{last}.mlp.down_proj.weight"]} == {"W8A8_DYNAMIC", "W8A16", "W4A16"}
     assert all(desc.get(f"model.layers.{i}.self_attn.k_proj.kv_cache_scale") == "C8" for i in range(last + 1))
     decisive = []
-    for ref in assert_matches_reference(out, run_engine(out)):
+    for ref in assert_matches_reference(out, run_engine(out), flips=1):
         top2 = ref.topk(2, -1).values
         decisive += ((top2[:, 0] - top2[:, 1]) > 10 * LOGPROB_TOL).tolist()
     assert sum(decisive) > 0.5 * len(decisive)          # the comparison is not decided by ties

@@ -114,17 +114,25 @@ def reference_logprobs(path: Path, prompt: list[int], tokens: list[int]) -> torc
     return torch.log_softmax(logits.float(), -1)
 
 
-def assert_matches_reference(path: Path, generations, label: str = "", prompts=PROMPTS) -> list[torch.Tensor]:
+def assert_matches_reference(path: Path, generations, label: str = "", prompts=PROMPTS, flips: int = 0,
+                             flip_tol: float = 1e-2) -> list[torch.Tensor]:
     """vLLM's greedy tokens for `prompts` are the reference forward's greedy choices (up to a
     tie within LOGPROB_TOL) and their log-probs agree within LOGPROB_TOL; returns the reference
-    log-softmax per prompt."""
+    log-softmax per prompt. `flips`: steps per prompt allowed up to `flip_tol` instead, for
+    int8 activations or KV pages, where a last-bit float difference between two CPUs' summation
+    orders can move one value across a rounding boundary (seen once: 2.02e-3 at one step of
+    Gemma-3's sharpened logits on an AVX2 EPYC, every other step equal to 1e-5)."""
     refs = []
     for prompt, (tokens, logprobs) in zip(prompts, generations):
         assert len(tokens) == MAX_TOKENS
         ref = reference_logprobs(path, prompt, tokens)
+        off = 0
         for i, (t, lp) in enumerate(zip(tokens, logprobs)):
             assert ref[i, t] >= ref[i].max() - LOGPROB_TOL, (label, prompt, i, t, ref[i].argmax().item())
-            assert abs(lp - ref[i, t].item()) < LOGPROB_TOL, (label, i, lp, ref[i, t].item())
+            diff = abs(lp - ref[i, t].item())
+            if diff >= LOGPROB_TOL:
+                off += 1
+                assert off <= flips and diff < flip_tol, (label, i, lp, ref[i, t].item())
         refs.append(ref)
     return refs
 
