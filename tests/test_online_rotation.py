@@ -18,7 +18,9 @@ from ascend_quant.calibration import CalibrationError, job, recipe as recipes
 from ascend_quant.cli.main import cli
 from ascend_quant.formats.convert import ConversionError, convert
 from ascend_quant.formats.verify import verify
+from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.reference_model import load_reference_model
+from ascend_quant.schemes import INPUT_ROTATION
 from test_rotation import IDS, _float_logits, _rel, calib_jsonl, saved  # noqa: F401 (fixtures)
 
 
@@ -55,6 +57,65 @@ def test_the_fast_transform_is_the_matrix_product(k):
     got = numerics.rotate_activation(x, signs.double(), numerics.rotation_factors(k))
     assert got.shape == x.shape
     assert torch.allclose(got, x @ numerics.input_rotation(signs), atol=1e-12)
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """One bfloat16 unit in the last place at |v| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)
+
+
+HADAMARD_ORDERS = [1, 4, 8, 12, 16, 24, 40, 64, 160, 576, 1536, 2048]    # Sylvester, Paley cores 12 / 20, short rows
+
+
+@pytest.mark.parametrize("isa", cpu.ISAS[cpu.ISAS.index(cpu.cpu_isa()):-1])
+def test_the_cpu_operator_is_the_matrix_product(isa, monkeypatch):
+    """`ascend_quant_cpu::hadamard` (wq_gemv.c's butterflies) on each GEMV build this CPU runs
+    against x·Q with Q formed (float64): float32 within 2e-6 of the output's scale, bfloat16
+    within one rounding of the float64 product; strided rows, 0 and 1 tokens, two threads."""
+    monkeypatch.setenv(cpu.ISA_ENV, isa)
+    op, slot = cpu.hadamard_op()
+    for k in HADAMARD_ORDERS:
+        signs = numerics.rotation_signs(k, torch.Generator().manual_seed(k))
+        core = numerics.hadamard_parts(k)[0].float().contiguous()
+        q = numerics.input_rotation(signs)
+        wide = torch.randn(33, k + 5, generator=torch.Generator().manual_seed(1))
+        for x in (wide[:, :k], wide[:1, :k].contiguous(), wide[:0, :k], wide[:, :k].reshape(3, 11, k)):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                got, want = op(x, signs, core, slot), x.double() @ q
+                assert got.shape == x.shape and got.dtype == torch.float32
+                assert ((got.double() - want).abs() <= 2e-6 * max(1.0, (want.abs().max().item() if want.numel() else 0.0))).all(), k
+        xb = wide[:, :k].bfloat16()
+        got, want = op(xb, signs, core, slot), xb.double() @ q
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - want).abs() <= _bf16_ulp(want)).all(), k
+
+
+def test_the_cpu_operator_keeps_its_result_when_compiled():
+    op, slot = cpu.hadamard_op()
+    signs = numerics.rotation_signs(1536, torch.Generator().manual_seed(5))
+    core = numerics.hadamard_parts(1536)[0].float().contiguous()
+    fn = torch.compile(lambda x: op(x, signs, core, slot) * 2, fullgraph=True, dynamic=True)
+    for m in (3, 17):
+        x = torch.randn(m, 1536, dtype=torch.bfloat16)
+        assert torch.equal(fn(x), op(x, signs, core, slot) * 2)
+
+
+@pytest.mark.parametrize("via_op", [True, False], ids=["operator", "torch"])
+def test_the_vllm_rotation_takes_the_operator_or_torch(via_op, monkeypatch):
+    """What our vLLM methods run (linear._rotate): the C++ operator by default on the CPU,
+    numerics.rotate_activation with ASCEND_QUANT_CPU_OP=0; both are x·Q."""
+    from ascend_quant.runtime.vllm import linear as vlinear
+
+    monkeypatch.setenv(cpu.OP_ENV, "1" if via_op else "0")
+    layer = torch.nn.Module()
+    signs = numerics.rotation_signs(1536, torch.Generator().manual_seed(6))
+    layer.register_parameter(INPUT_ROTATION, torch.nn.Parameter(signs.clone(), requires_grad=False))
+    vlinear._prepare_input_rotation(layer)
+    assert (layer.ascend_hadamard_isa is not None) == via_op
+    x = torch.randn(9, 1536)
+    got = vlinear._rotate(layer, x)
+    assert (got.double() - x.double() @ numerics.input_rotation(signs)).abs().max() < 2e-5
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

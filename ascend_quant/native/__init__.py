@@ -146,7 +146,8 @@ _WQ_SIG = {"wq_gemv": [_p, _i32, _i64, _i64, _i64, _p, _i32, _i64, _i64, _i64, _
            "wq_dequant": [_p, _i32, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i32],
            "wq_int8_linear": [_p, _i32, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _p, _p, _i32, _i64, _i32, _p],
            "wq_int8_gemv": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p, _i32,
-                            _i64, _i32, _p]}
+                            _i64, _i32, _p],
+           "wq_hadamard": [_p, _i32, _i64, _i64, _i64, _p, _p, _i64, _f32, _p, _i32, _i64, _i32, _p]}
 _WQ_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
 WQ_GEMV = {
@@ -192,7 +193,8 @@ class TorchOpLibrary(NativeLibrary):
 # `torch.ops.ascend_quant_cpu.wq_linear`: the weight-only Linear on wq_gemv.c's kernels without
 # Python in between (runtime/kernels/cpu.py registers each GEMV build it loads)
 WQ_OP = TorchOpLibrary(HERE / "wq_op.cpp", {"wq_op_register": [_i32, _p, _p], "wq_op_register_int8": [_p],
-                                            "wq_op_register_int8_gemv": [_i32, _p, _p]})
+                                            "wq_op_register_int8_gemv": [_i32, _p, _p],
+                                            "wq_op_register_hadamard": [_i32, _p]})
 
 INT8_EXPERTS = NativeLibrary(
     HERE / "int8_experts.c",

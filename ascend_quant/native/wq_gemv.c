@@ -810,6 +810,201 @@ void wq_glu_quant_dynamic(const void *h, int hdt, int64_t m, int64_t k, int64_t 
     }
 }
 
+/* The online rotation of a Linear's input (numerics.rotate_activation, input_rotation):
+ * y_t = ((x_t * signs) · (H_{2^r} ⊗ P)) * inv (inv = float32 of 1 / sqrt(k)) in float32, y in
+ * x's dtype (bfloat16 rounded to nearest even, as torch converts). P is the c x c Paley core
+ * (c = 1: H is Sylvester alone). A row viewed as [2^r, c]: each c-chunk is multiplied by P, then
+ * the Sylvester part runs as the fast Walsh-Hadamard butterflies between chunks (H_{2^r} is
+ * symmetric, so H^T X = H X): with c = 1 the first log2(VW) stages inside each vector (lane
+ * permutes), the rest two stages a pass over the row (radix 4), one pass for an odd stage left.
+ * k log2 k adds a row instead of the k^2 of a dense Q, on a row that stays in L1. The order of
+ * the float additions is not torch's: equal to numerics within the tests' tolerance.
+ * Rows spread over the threads. */
+#if VW == 16
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline void vst(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vneg_lanes(vf a, const int32_t *mask) {     /* flip the sign of the masked lanes */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_loadu_si512(mask)));
+}
+/* the 16-point Walsh-Hadamard transform of a vector's lanes (stages 1, 2, 4, 8) */
+static inline vf fwht_lanes(vf v) {
+    static const int32_t m1[16] = {0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN,
+                                   0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN};
+    static const int32_t m2[16] = {0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN,
+                                   0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN};
+    static const int32_t m4[16] = {0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
+                                   0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN};
+    static const int32_t m8[16] = {0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
+                                   INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN};
+    v = vadd(_mm512_permute_ps(v, 0xB1), vneg_lanes(v, m1));     /* lane i: a_i ± a_(i^1) */
+    v = vadd(_mm512_permute_ps(v, 0x4E), vneg_lanes(v, m2));
+    v = vadd(_mm512_shuffle_f32x4(v, v, 0xB1), vneg_lanes(v, m4));
+    return vadd(_mm512_shuffle_f32x4(v, v, 0x4E), vneg_lanes(v, m8));
+}
+static inline void store_row_v(void *y, int ydt, int64_t i, vf v) {     /* VW values at y[i] */
+    if (ydt == 0) { _mm512_storeu_ps((float *)y + i, v); return; }
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                         _mm512_set1_epi32(1))));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+#else
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline void vst(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vneg_lanes(vf a, const int32_t *mask) {
+    return _mm256_xor_ps(a, _mm256_loadu_ps((const float *)mask));
+}
+/* the 8-point Walsh-Hadamard transform of a vector's lanes (stages 1, 2, 4) */
+static inline vf fwht_lanes(vf v) {
+    static const int32_t m1[8] = {0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN};
+    static const int32_t m2[8] = {0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN};
+    static const int32_t m4[8] = {0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN};
+    v = vadd(_mm256_permute_ps(v, 0xB1), vneg_lanes(v, m1));     /* lane i: a_i ± a_(i^1) */
+    v = vadd(_mm256_permute_ps(v, 0x4E), vneg_lanes(v, m2));
+    return vadd(_mm256_permute2f128_ps(v, v, 1), vneg_lanes(v, m4));
+}
+static inline void store_row_v(void *y, int ydt, int64_t i, vf v) {
+    if (ydt == 0) { _mm256_storeu_ps((float *)y + i, v); return; }
+    __m256i u = _mm256_castps_si256(v);
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16),
+                                                                                         _mm256_set1_epi32(1))));
+    u = _mm256_srli_epi32(u, 16);
+    _mm_storeu_si128((__m128i *)((uint16_t *)y + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+#endif
+
+#define HD_CMAX 64      /* cores up to this order take the vector product below */
+
+/* one butterfly pass of stride h (stages h and, with `two`, 2h) over b[0 .. k) */
+static inline void fwht_pass(float *b, int64_t k, int64_t h, int two) {
+    const int64_t step = two ? 4 * h : 2 * h;
+    for (int64_t s = 0; s < k; s += step) {
+        float *p0 = b + s, *p1 = p0 + h, *p2 = p1 + h, *p3 = p2 + h;
+        int64_t j = 0;
+        if (two) {
+            for (; j + VW <= h; j += VW) {
+                vf a0 = vld(p0 + j), a1 = vld(p1 + j), a2 = vld(p2 + j), a3 = vld(p3 + j);
+                vf t0 = vadd(a0, a1), t1 = vsub(a0, a1), t2 = vadd(a2, a3), t3 = vsub(a2, a3);
+                vst(p0 + j, vadd(t0, t2)); vst(p1 + j, vadd(t1, t3));
+                vst(p2 + j, vsub(t0, t2)); vst(p3 + j, vsub(t1, t3));
+            }
+            for (; j < h; j++) {
+                const float t0 = p0[j] + p1[j], t1 = p0[j] - p1[j], t2 = p2[j] + p3[j], t3 = p2[j] - p3[j];
+                p0[j] = t0 + t2; p1[j] = t1 + t3; p2[j] = t0 - t2; p3[j] = t1 - t3;
+            }
+        } else {
+            for (; j + VW <= h; j += VW) {
+                vf a0 = vld(p0 + j), a1 = vld(p1 + j);
+                vst(p0 + j, vadd(a0, a1)); vst(p1 + j, vsub(a0, a1));
+            }
+            for (; j < h; j++) {
+                const float a = p0[j], d = p1[j];
+                p0[j] = a + d; p1[j] = a - d;
+            }
+        }
+    }
+}
+
+/* o[s .. s + c) = b[s .. s + c) · P for every chunk s of c values, P's rows padded to cp = NVC
+ * vectors (NVC = HD_CMAX / VW: any cp up to HD_CMAX, the loop bounded by cp); four chunks at a
+ * time, so that 4 x NVC independent FMA chains hide the FMA latency. */
+static inline __attribute__((always_inline)) void core_chunks(const int NVC, const float *b, float *o, int64_t k,
+                                                              const float *pc, int64_t c, int64_t cp) {
+    const int64_t nv = NVC == HD_CMAX / VW ? cp / VW : NVC;
+    int64_t s = 0;
+    for (; s + 4 * c <= k; s += 4 * c) {
+        vf a0[HD_CMAX / VW], a1[HD_CMAX / VW], a2[HD_CMAX / VW], a3[HD_CMAX / VW];
+        for (int64_t v = 0; v < nv; v++) a0[v] = a1[v] = a2[v] = a3[v] = vzero();
+        for (int64_t i = 0; i < c; i++) {
+            const vf x0 = vset(b[s + i]), x1 = vset(b[s + c + i]), x2 = vset(b[s + 2 * c + i]),
+                     x3 = vset(b[s + 3 * c + i]);
+            for (int64_t v = 0; v < nv; v++) {
+                const vf p = vld(pc + i * cp + v * VW);
+                a0[v] = vfma(x0, p, a0[v]); a1[v] = vfma(x1, p, a1[v]);
+                a2[v] = vfma(x2, p, a2[v]); a3[v] = vfma(x3, p, a3[v]);
+            }
+        }
+        for (int64_t v = 0; v < nv; v++) vst(o + s + v * VW, a0[v]);      /* in order: each chunk's padding */
+        for (int64_t v = 0; v < nv; v++) vst(o + s + c + v * VW, a1[v]);  /* is overwritten by the next one */
+        for (int64_t v = 0; v < nv; v++) vst(o + s + 2 * c + v * VW, a2[v]);
+        for (int64_t v = 0; v < nv; v++) vst(o + s + 3 * c + v * VW, a3[v]);
+    }
+    for (; s < k; s += c) {
+        vf a0[HD_CMAX / VW];
+        for (int64_t v = 0; v < nv; v++) a0[v] = vzero();
+        for (int64_t i = 0; i < c; i++) {
+            const vf x0 = vset(b[s + i]);
+            for (int64_t v = 0; v < nv; v++) a0[v] = vfma(x0, vld(pc + i * cp + v * VW), a0[v]);
+        }
+        for (int64_t v = 0; v < nv; v++) vst(o + s + v * VW, a0[v]);
+    }
+}
+
+/* b [k] <- b · (H_{2^r} ⊗ P); pc: P's rows padded to cp floats (c <= HD_CMAX), else P itself
+ * (c x c); o: k + cp floats of scratch. Returns the buffer that holds the result (b or o). With
+ * c = 1 and k a multiple of VW the caller has run the in-vector stages (fwht_lanes) already. */
+static float *hadamard_row(float *b, int64_t k, const float *pc, int64_t c, int64_t cp, float *o) {
+    int64_t h = c;
+    if (c > 1 && c <= HD_CMAX) {         /* chunk by chunk into o, whole vectors (the padding lands on the next chunk) */
+        const int64_t nv = cp / VW;
+        if (nv == 1) core_chunks(1, b, o, k, pc, c, cp);
+        else if (nv == 2) core_chunks(2, b, o, k, pc, c, cp);
+        else core_chunks(HD_CMAX / VW, b, o, k, pc, c, cp);
+        b = o;
+    } else if (c > 1) {
+        for (int64_t s = 0; s < k; s += c)
+            for (int64_t j = 0; j < c; j++) {
+                float a = 0.f;
+                for (int64_t i = 0; i < c; i++) a += b[s + i] * pc[i * c + j];
+                o[s + j] = a;
+            }
+        b = o;
+    } else if (k % VW == 0) {            /* c = 1: the in-vector stages ran as the row was loaded */
+        h = VW;
+    }
+    for (; 4 * h <= k; h *= 4) fwht_pass(b, k, h, 1);
+    if (2 * h <= k) fwht_pass(b, k, h, 0);
+    return b;
+}
+
+void wq_hadamard(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *signs, const float *core,
+                 int64_t c, float inv, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    const int64_t cp = c <= HD_CMAX ? (c + VW - 1) / VW * VW : c;
+    float *pc = (float *)aligned_alloc(64, ((size_t)(c * cp) * sizeof(float) + 63) / 64 * 64);
+    if (!pc) { *status = 1; return; }
+    for (int64_t i = 0; i < c; i++)
+        for (int64_t j = 0; j < cp; j++) pc[i * cp + j] = j < c ? core[i * c + j] : 0.f;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (m * k >= (1 << 14)) reduction(| : failed)
+    {
+        float *b = (float *)aligned_alloc(64, ((size_t)(2 * k + cp) * sizeof(float) + 63) / 64 * 64);
+        if (!b) failed = 1;
+        const vf vinv = vset(inv);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m; t++) {
+            if (!b) continue;
+            const char *row = (const char *)x + t * ldx * (xdt == 1 ? 2 : 4);
+            int64_t i = 0;
+            if (c == 1 && k % VW == 0)       /* the first log2(VW) stages in registers (hadamard_row) */
+                for (; i < k; i += VW) vst(b + i, fwht_lanes(vmul(load_xv(row, xdt, i), vld(signs + i))));
+            for (; i + VW <= k; i += VW) vst(b + i, vmul(load_xv(row, xdt, i), vld(signs + i)));
+            for (; i < k; i++) b[i] = load_x(row, xdt, i) * signs[i];
+            const float *r = hadamard_row(b, k, pc, c, cp, b + k);
+            char *out = (char *)y + t * ldy * (ydt == 1 ? 2 : 4);
+            for (i = 0; i + VW <= k; i += VW) store_row_v(out, ydt, i, vmul(vld(r + i), vinv));
+            for (; i < k; i++) store_y(out, ydt, i, r[i] * inv);
+        }
+        free(b);
+    }
+    free(pc);
+    *status = failed;
+}
+
 /* The int8-activation Linear in integers, on AVX2 instructions in every build: the int8 GEMM of
  * CPUs without VNNI (`ASCEND_QUANT_CPU_GEMM=gemv`), mode 1 of wq_gemv, and two-stage per-group
  * W4A8 everywhere. Weights in the GEMV layout above (`groups` groups of gp values a row, gp a

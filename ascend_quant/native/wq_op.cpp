@@ -24,12 +24,18 @@
 // over the amx build's wq_int8_linear (registered by Python through `wq_op_register_int8`),
 // which quantizes float activations per token itself, so a traced dynamic Linear is this one call;
 // and `int8_gemv_linear`, the same call over the integer GEMV of any build (wq_int8_gemv: AVX2's
-// VPMADDUBSW, the int8 GEMM of CPUs without VNNI) for weights in the GEMV layout.
+// VPMADDUBSW, the int8 GEMM of CPUs without VNNI) for weights in the GEMV layout. And
+//
+//     torch.ops.ascend_quant_cpu.hadamard(x, signs, core, isa)
+//
+// an online input rotation x·Q (wq_hadamard: Walsh-Hadamard butterflies, the float32 x·Q of
+// numerics.rotate_activation) for Linears stored with `input_rotation` signs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -251,6 +257,38 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
     return a.result();
 }
 
+using hadamard_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *signs,
+                            const float *core, int64_t c, float inv, void *y, int ydt, int64_t ldy, int nthreads,
+                            int *status);
+hadamard_fn g_hadamard[kSlots] = {};
+
+// An online input rotation (wq_gemv.c: wq_hadamard; numerics.rotate_activation): x·Q with
+// Q = diag(signs)·(H_{2^r} ⊗ core) / sqrt(k), computed in float32, in x's dtype (float32 and
+// bfloat16 directly, other dtypes through float32). core: the float32 [c, c] Paley core of
+// numerics.hadamard_parts ([[1]] for a power of two).
+at::Tensor hadamard(const at::Tensor &x, const at::Tensor &signs, const at::Tensor &core, int64_t isa) {
+    TORCH_CHECK(isa >= 0 && isa < kSlots && g_hadamard[isa],
+                "ascend_quant_cpu::hadamard: the GEMV build ", isa, " is not loaded in this process");
+    const int64_t k = x.size(-1), c = core.size(0);
+    TORCH_CHECK(signs.dtype() == at::kFloat && signs.is_contiguous() && signs.numel() == k,
+                "ascend_quant_cpu::hadamard: signs must be contiguous float32 [", k, "]");
+    TORCH_CHECK(core.dtype() == at::kFloat && core.is_contiguous() && core.dim() == 2 && core.size(1) == c && c >= 1
+                && k % c == 0 && ((k / c) & (k / c - 1)) == 0,
+                "ascend_quant_cpu::hadamard: core must be contiguous float32 [c, c] with k / c a power of two");
+    at::Tensor x2 = x.reshape({-1, k});
+    if (x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
+    if (x2.stride(-1) != 1) x2 = x2.contiguous();
+    const int64_t m = x2.size(0);
+    at::Tensor y = at::empty({m, k}, x2.options());
+    if (m == 0) return y.to(x.scalar_type()).view(x.sizes());
+    const int dt = x2.scalar_type() == at::kBFloat16 ? 1 : 0;
+    int status = 0;
+    g_hadamard[isa](x2.data_ptr(), dt, m, k, x2.stride(0), signs.data_ptr<float>(), core.data_ptr<float>(), c,
+                    (float)(1.0 / std::sqrt((double)k)), y.data_ptr(), dt, k, at::get_num_threads(), &status);
+    TORCH_CHECK(status == 0, "ascend_quant_cpu::hadamard: could not allocate its row buffers");
+    return (y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type())).view(x.sizes());
+}
+
 }  // namespace
 
 // Python hands over one build's wq_int8_gemv and wq_quant_dynamic (slot = its index in cpu.ISAS).
@@ -259,6 +297,11 @@ extern "C" void wq_op_register_int8_gemv(int slot, void *fn, void *quant) {
         g_int8_gemv[slot] = reinterpret_cast<int8_gemv_fn>(fn);
         g_quant[slot] = reinterpret_cast<quant_fn>(quant);
     }
+}
+
+// Python hands over one build's wq_hadamard (slot = its index in cpu.ISAS).
+extern "C" void wq_op_register_hadamard(int slot, void *fn) {
+    if (slot >= 0 && slot < kSlots) g_hadamard[slot] = reinterpret_cast<hadamard_fn>(fn);
 }
 
 // Python hands over the amx build's wq_int8_linear (the only build with AMX-INT8).
@@ -279,10 +322,12 @@ TORCH_LIBRARY(ascend_quant_cpu, m) {
           "int n, ScalarType? out_dtype) -> Tensor");
     m.def("int8_gemv_linear(Tensor x, Tensor? pertoken, Tensor q, Tensor scale, Tensor? quant_bias, Tensor? bias, "
           "int isa, int bits, bool full_range, int max_m, ScalarType? out_dtype) -> Tensor");
+    m.def("hadamard(Tensor x, Tensor signs, Tensor core, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ascend_quant_cpu, CPU, m) {
     m.impl("wq_linear", &wq_linear);
     m.impl("int8_linear", &int8_linear);
     m.impl("int8_gemv_linear", &int8_gemv_linear);
+    m.impl("hadamard", &hadamard);
 }

@@ -302,6 +302,31 @@ def _int8_op(isa: str, gemv_lib):
     return torch.ops.ascend_quant_cpu.int8_linear
 
 
+def hadamard_op() -> tuple[object, int] | None:
+    """(`torch.ops.ascend_quant_cpu.hadamard`, the `isa` slot to pass it) with the selected GEMV
+    build's `wq_hadamard` registered (the online input rotation's butterflies, native/wq_gemv.c),
+    or None: no GEMV build, no C++ compiler or torch headers, or `ASCEND_QUANT_CPU_OP=0` (callers
+    then take numerics.rotate_activation's torch ops)."""
+    isa = gemv_isa()
+    if isa == "off" or os.environ.get(OP_ENV, "1") == "0":
+        return None
+    gemv_lib = native.WQ_GEMV[isa].load()
+    lib = native.WQ_OP.load() if gemv_lib is not None else None
+    if lib is None:
+        return None
+    lib.wq_op_register_hadamard(ISAS.index(isa), ctypes.cast(gemv_lib.wq_hadamard, ctypes.c_void_p))
+    _register_hadamard_fake()
+    return torch.ops.ascend_quant_cpu.hadamard, ISAS.index(isa)
+
+
+@functools.lru_cache(maxsize=1)
+def _register_hadamard_fake() -> None:
+    """The output's shape and dtype of `hadamard` (x's) for tracing (vLLM's compiled mode)."""
+    @torch.library.register_fake("ascend_quant_cpu::hadamard")
+    def _(x, signs, core, isa):
+        return torch.empty_like(x)
+
+
 @functools.lru_cache(maxsize=1)
 def _register_int8_gemv_fake() -> None:
     """The output's shape and dtype of `int8_gemv_linear` for tracing (vLLM's compiled mode)."""

@@ -26,6 +26,7 @@ import torch
 
 from ascend_quant import numerics
 from ascend_quant.runtime import kernels
+from ascend_quant.runtime.kernels import cpu as cpu_kernels
 from ascend_quant.runtime.vllm import ops
 from ascend_quant.schemes import FLOAT, INPUT_ROTATION, LINEAR_SCHEMES, SCHEMES, PreparedLinear, SchemeError, TensorSpec
 
@@ -91,17 +92,28 @@ def _add_input_rotation(layer: torch.nn.Module, input_size: int, weight_loader) 
 
 
 def _prepare_input_rotation(layer: torch.nn.Module) -> None:
-    """The signs and H's Kronecker factors (float32) of Q from the loaded signs, which
-    `refuse_bad_values` has checked; the parameter is emptied."""
+    """What `_rotate` needs, from the loaded signs, which `refuse_bad_values` has checked; the
+    parameter is emptied. On the CPU our C++ operator (`ascend_quant_cpu::hadamard`: butterflies)
+    where it loads, with the signs and H's Paley core; elsewhere the signs and H's Kronecker
+    factors (float32) for numerics.rotate_activation."""
     signs = getattr(layer, INPUT_ROTATION).data.float()
-    factors = numerics.rotation_factors(signs.numel())
+    op = cpu_kernels.hadamard_op() if signs.device.type == "cpu" else None
     layer.ascend_input_signs = signs
-    layer.ascend_input_factors = tuple(f.float().to(signs.device) for f in factors)
+    layer.ascend_hadamard_isa = None if op is None else op[1]
+    if op is not None:
+        core, _ = numerics.hadamard_parts(signs.numel())
+        layer.ascend_input_core = core.float().contiguous()
+    else:
+        layer.ascend_input_factors = tuple(f.float().to(signs.device) for f in numerics.rotation_factors(signs.numel()))
     getattr(layer, INPUT_ROTATION).data = torch.empty(0)
 
 
 def _rotate(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x·Q in float32, back in x's dtype (numerics.rotate_activation: torch ops, traced when compiled)."""
+    """x·Q computed in float32, in x's dtype: one operator call on the CPU, else
+    numerics.rotate_activation (torch ops, traced when compiled)."""
+    if layer.ascend_hadamard_isa is not None:
+        return torch.ops.ascend_quant_cpu.hadamard(x, layer.ascend_input_signs, layer.ascend_input_core,
+                                                    layer.ascend_hadamard_isa)
     return numerics.rotate_activation(x.float(), layer.ascend_input_signs, layer.ascend_input_factors).to(x.dtype)
 
 
