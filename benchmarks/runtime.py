@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ascend_quant import numerics
-from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend, cpu_has_vnni, vllm_cpu_ops
+from ascend_quant.runtime.kernels.cpu import GEMM_ENV, CpuBackend, cpu_has_vnni, hadamard_op, vllm_cpu_ops
 from ascend_quant.runtime.kernels.reference import exact_int8_matmul
 from ascend_quant.schemes import PreparedLinear
 
@@ -107,6 +107,18 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
         "w4a16_linear_bf16": timeit(lambda: w4a16(x_bf16)),
         "w4a8_linear_bf16": timeit(lambda: w4a8(x_bf16)),
     }
+    # the online input rotation x·Q of a Linear stored with `input_rotation` signs (down_proj in
+    # checkpoints made with --online-rotation): numerics' torch ops against our C++ operator
+    factors = numerics.rotation_factors(k)
+    if factors is not None:
+        signs = numerics.rotation_signs(k, g)
+        f32 = tuple(f.float() for f in factors)
+        out["rotation_torch_bf16"] = timeit(
+            lambda: numerics.rotate_activation(x_bf16.float(), signs, f32).to(torch.bfloat16))
+        op = hadamard_op()
+        if op is not None:
+            core = numerics.hadamard_parts(k)[0].float().contiguous()
+            out["rotation_op_bf16"] = timeit(lambda: op[0](x_bf16, signs, core, op[1]))
     # the anchor: vLLM's own int8 Linear on AMX CPUs (sgl's fused quantizer + AMX-INT8 GEMM, what
     # its compressed-tensors W8A8 layers call there)
     sgl = getattr(torch.ops._C, "int8_scaled_mm_with_quant", None) if vllm_cpu_ops() is not None else None
@@ -121,7 +133,8 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
 
 E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a16", "w4a8")
 # more engines: name -> (scheme, calibrate flags), for what a preset's option costs at inference
-E2E_VARIANTS = {"w4a8 (no online rotation)": ("w4a8", ["--no-online-rotation"])}
+E2E_VARIANTS = {"w4a8 (online rotation)": ("w4a8", ["--online-rotation"]),
+                "w4a8 (group 64)": ("w4a8", ["--group-size", "64"])}
 PREFILL = (16, 256)            # prompts x tokens, one token generated
 DECODE = (8, 32, 32)           # sequences x prompt tokens x generated tokens
 WARMUP = (4, 64)               # prompts x tokens, 4 generated, before any timing
@@ -375,10 +388,12 @@ def markdown(result: dict) -> str:
     lines = [f"# int8 GEMM vs float matmul (CPU, {result['threads']} thread(s))", "",
              f"{result.get('cpu', result['machine'])}; torch {result['torch']}; VNNI: {result['vnni']}; "
              f"int8 GEMM: {result.get('cpu_gemm', '-')}; oneDNN int8 path: {result['onednn']}; GEMV build: {result.get('gemv', '-')}", "",
-             "Median time per call in microseconds; `x bf16` = speed-up over the bf16 matmul.", "",
+             "Median time per call in microseconds; `x bf16` = speed-up over the bf16 matmul; the online "
+             "rotation (x·Q on the layer's in-features, bf16 in and out) in microseconds alone.", "",
              "| phase | layer | m x k x n | fp32 | bf16 | _int_mm | int8 GEMM, exact f32 | W8A8_DYNAMIC linear | W8A8 static linear "
-             "| W8A16 linear | W4A16 g64 linear | W4A8 linear | vLLM int8 linear (AMX CPUs) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| W8A16 linear | W4A16 g64 linear | W4A8 linear | vLLM int8 linear (AMX CPUs) "
+             "| online rotation of x, torch ops | online rotation of x, our op |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         t = row["seconds"]
         bf = t["bf16_matmul"]
@@ -390,7 +405,9 @@ def markdown(result: dict) -> str:
                      f"{cell('w8a8_dynamic_linear_bf16')} | {cell('w8a8_static_linear_bf16')} | "
                      + " | ".join(cell(k) if k in t else "-" for k in
                                   ("w8a16_linear_bf16", "w4a16_linear_bf16", "w4a8_linear_bf16",
-                                   "vllm_int8_linear_bf16")) + " |")
+                                   "vllm_int8_linear_bf16")) + " | "
+                     + " | ".join(f"{t[k] * 1e6:.1f}" if k in t else "-" for k in ("rotation_torch_bf16", "rotation_op_bf16"))
+                     + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -3,9 +3,11 @@ column sweep (`gptq_kernel.c`) and the quantized-weight GEMV of the CPU backend 
 built once per instruction set: `WQ_GEMV["amx"]`, `["avx512bf16"]`, `["avx512"]`, `["avx2"]`) and the
 routed experts of int8-activation MoE layers on AVX-512 VNNI CPUs (`int8_experts.c`).
 
-`wq_gemv.c`'s `amx` build also holds the AMX-INT8 Linear (`wq_int8_linear`: int8 x int8 with
+Every `wq_gemv.c` build also holds `wq_hadamard`, the online input rotation's butterflies
+(x·Q of numerics.rotate_activation). Its `amx` build also holds the AMX-INT8 Linear (`wq_int8_linear`: int8 x int8 with
 TDPBSSD, the activations' quantizer inside). `wq_op.cpp` holds the C++ torch operators over them
-(`ascend_quant_cpu::wq_linear` over the GEMV builds, `ascend_quant_cpu::int8_linear`),
+(`ascend_quant_cpu::wq_linear` over the GEMV builds, `ascend_quant_cpu::int8_linear`,
+`ascend_quant_cpu::hadamard`),
 compiled with the host C++ compiler against the running torch's headers and libraries
 (`TorchOpLibrary`) and loaded with `torch.ops.load_library`.
 
