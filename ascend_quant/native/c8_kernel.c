@@ -69,10 +69,15 @@ static void quant_row(const void *src, int64_t off, int dt, const float *s, int8
     }
 }
 
-/* The attention's inner products run on GCC vectors of VW floats (AVX-512 registers, two AVX2
- * ones, or scalars, whatever -march gives), over NR query rows at a time: each K or V vector
- * loaded serves NR rows. */
+/* The attention's inner products run on GCC vectors of VW floats (one AVX-512 or AVX2 register,
+ * or scalars, whatever -march gives), over NR query rows at a time: each K or V vector loaded
+ * serves NR rows. VW is the register's width: with 16-float vectors on AVX2 (two registers each)
+ * GCC kept the row accumulators on the stack, and decode ran 12-29x slower than the AVX-512 build. */
+#if defined(__AVX512F__)
 #define VW 16
+#else
+#define VW 8
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #else
@@ -81,7 +86,7 @@ static void quant_row(const void *src, int64_t off, int dt, const float *s, int8
 #if defined(__AVX512F__)
 #define NR 8              /* 32 vector registers: 8 row accumulators and the operands */
 #else
-#define NR 4              /* 16 (AVX2: each VW-float vector is two of them) */
+#define NR 4              /* 16 (AVX2) */
 #endif
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
@@ -93,11 +98,8 @@ static inline vf vload8(const int8_t *p) {     /* GCC's own vector conversion of
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     memcpy(&v, &f, sizeof v);
 #elif defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-    memcpy(&v, &lo, sizeof lo);
-    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    memcpy(&v, &f, sizeof v);
 #else
     for (int i = 0; i < VW; i++) v[i] = (float)p[i];
 #endif
@@ -119,11 +121,11 @@ static inline __attribute__((always_inline)) float op1(const void *x, int64_t i,
  * chain (4-cycle latency, two FMA ports), so a few rows (decode: the G query heads of one KV
  * head) need several vectors at once to keep the ports busy; and with 8 key vectors a pass reads
  * whole 128-byte rows of K^T, a sequential stream instead of a 128-byte stride. ACC is how many
- * VW-float accumulators fit in the registers (AVX-512: 32 of them, AVX2: 16 half-size ones). */
+ * VW-float accumulators fit in the registers (AVX-512: 32 registers, AVX2: 16). */
 #if defined(__AVX512F__)
 #define ACC 24
 #else
-#define ACC 6
+#define ACC 12
 #endif
 
 /* the vectors per pass for nr rows when nvec are left: a power of two, at most 8 */
