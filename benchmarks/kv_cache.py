@@ -175,11 +175,16 @@ def main() -> None:
     # size the budget in whole blocks: bf16 holds `long_fit` of the blocks the workload wants at once
     bkv = results["engines"]["bf16"]["kv"]
     bytes_per_block_bf16 = args.kv_gib * gib / bkv["num_blocks"]
-    blocks_wanted = args.long_seqs * -(-(args.long_prompt + args.long_gen) // bkv["block_size"])
-    long_bytes = int(max(1, round(args.long_fit * blocks_wanted)) * bytes_per_block_bf16)
+    long_len = args.long_prompt + args.long_gen + 16
+    blocks_per_seq = -(-long_len // bkv["block_size"])
+    blocks_wanted = args.long_seqs * blocks_per_seq
+    # at least one whole sequence of the engine's max_model_len fits, or vLLM refuses to start
+    # (it did with --long-prompt 128 next to the default 512-token throughput prompts)
+    long_blocks = max(blocks_per_seq + 1, round(args.long_fit * blocks_wanted))
+    long_bytes = int(long_blocks * bytes_per_block_bf16)
     results["long"] = {"kv_bytes": long_bytes}
     for name, (path, quant) in engines.items():
-        llm = make_llm(path, quant, long_bytes, args.long_seqs, max_len)
+        llm = make_llm(path, quant, long_bytes, args.long_seqs, long_len)
         r = run_long(llm, args, seed=99)
         r["kv_tokens"] = engine_kv(llm)["tokens"]
         shutdown(llm)
