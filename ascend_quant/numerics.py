@@ -203,6 +203,23 @@ def two_stage_second_scale(w: torch.Tensor, s1: torch.Tensor, group_scale: torch
     return torch.where(error(hi) <= error(lo), hi, lo)
 
 
+def two_stage_int8(w4: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Two-stage int4 as one int8 weight per channel: `w8 = w4 * s2` (int8 [n, k]) with the
+    channel scale `bf16(s1)` (float32 [n]), so that `w8 * bf16(s1) = w4 * two_stage_scale(s1, s2)`
+    exactly and an int8 activation's integer dot product with w8 is the group-scaled sum of its
+    dot products with w4. None where that is not exact: an s2 that is not an integer, or a
+    product outside int8. w4: int values [n, k]; s1 [n] or [n, 1]; s2 [n, k / g]."""
+    n, k = w4.shape
+    s2 = s2.float().reshape(n, -1)
+    if not bool(torch.all(s2 == torch.round(s2))) or k % s2.shape[1]:
+        return None
+    w8 = w4.to(torch.int32) * s2.to(torch.int32).repeat_interleave(k // s2.shape[1], dim=1)
+    if w8.numel() and (int(w8.min()) < -128 or int(w8.max()) > 127):
+        return None
+    return w8.to(torch.int8), s1.reshape(-1).to(torch.bfloat16).float()
+
+
 def two_stage_scale(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     """The effective per-group scale of two-stage int4, `s2 * bf16(s1)`, float32 [n, k/g].
 

@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/report.py          # rewrites README.md between the markers
 
 Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-avx2,
-runtime-avx2,kv_cache-avx2,runtime-e2e-compiled-avx2-forced,
+runtime-avx2,kv_cache-avx2,runtime-e2e-compiled-amx-stop38,c8_kernel-amx,c8_kernel-amx-before,
+kv_cache-amx-avx2-forced,runtime-e2e-compiled-avx2-forced,
 runtime-e2e-compiled-avx2-forced-int8,runtime-avx2-forced,runtime-e2e-compiled-amx,
 runtime-e2e-compiled-amx-int8,runtime-amx,runtime,
 runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache,kv_cache-amx}.*
@@ -135,6 +136,20 @@ def build() -> str:
                                    "timing). " + AVX2_REAL_SHORT) + [""]
     lines += markdown_file_section("kv_cache-avx2", "Int8 KV cache in vLLM, AMD EPYC with AVX2 (stop 37)",
                                    AVX2_REAL_SHORT) + [""]
+    lines += markdown_file_section("runtime-e2e-compiled-amx-stop38", "vLLM end to end, compiled (vLLM's default "
+                                   "mode), Intel Xeon with AMX (stop 38)", "The current code on the AMX CPU, with "
+                                   "the per-group W4A8 preset grouping and the online rotation's C++ operator "
+                                   "(`--online-rotation`) as engines of their own.") + [""]
+    lines += markdown_file_section("c8_kernel-amx", "C8 attention kernel per build, Intel Xeon with AMX (stop 38)",
+                                   "After the AVX2 fix (8-float vectors on AVX2). The AVX2 build runs here as it "
+                                   "would on an AVX2 CPU (its own instructions only); torch's column uses this "
+                                   "CPU's AVX-512.") + [""]
+    lines += markdown_file_section("c8_kernel-amx-before", "C8 attention kernel per build, before the AVX2 fix "
+                                   "(stop 38)", "The same script on the previous `c8_kernel.c`: 16-float GCC "
+                                   "vectors on AVX2, row accumulators spilled to the stack.") + [""]
+    lines += markdown_file_section("kv_cache-amx-avx2-forced", "Int8 KV cache in vLLM, our AVX2 C8 build forced on "
+                                   "the Intel Xeon with AMX (stop 38)", "**Not an AVX2 CPU:** vLLM's bf16 "
+                                   "attention runs its AVX-512 code here; our int8 pages run the AVX2 build.") + [""]
     lines += markdown_file_section("runtime-e2e-compiled-avx2-forced", "vLLM end to end, compiled: the AVX2 builds "
                                    "forced on the Intel Xeon with AMX (stop 29)", AVX2_FORCED) + [""]
     lines += markdown_file_section("runtime-e2e-compiled-avx2-forced-int8", "vLLM end to end, compiled: the int8 "

@@ -132,10 +132,14 @@ def test_w4a8_per_channel_is_exact(backend, k):
             assert got.dtype == out_dtype and torch.equal(got, want)
 
 
-def test_two_stage_w4a8_per_group(backend):
+@pytest.mark.parametrize("form", ["int4", "int8"])
+def test_two_stage_w4a8_per_group(backend, form, monkeypatch):
     """Two-stage per-group W4A8: int8 activations times the dequantized int4 weight, the
-    per-token scale after. Within a group each vector lane sums integer products exactly; the
-    group scale multiplies the lane sums once, so only the float sums across groups round."""
+    per-token scale after. int4 (kept packed, group scales): within a group each vector lane
+    sums integer products exactly; the group scale multiplies the lane sums once, so only the
+    float sums across groups round. int8 (the default): w4 * s2 held as one int8 weight per
+    channel, the int8 path of W8A8_DYNAMIC (exact integer sums, one float epilogue)."""
+    monkeypatch.setenv(cpu.TWO_STAGE_ENV, form)
     g = torch.Generator().manual_seed(5)
     n, k = 38, 256
     w = torch.randn(n, k, generator=g) * 0.05
@@ -144,12 +148,48 @@ def test_two_stage_w4a8_per_group(backend):
              weight_scale=s1, weight_offset=torch.zeros_like(s1),
              weight_scale_second=s2, weight_offset_second=torch.zeros_like(s2, dtype=torch.int64))
     mine = PreparedLinear.build("W4A8_DYNAMIC", t, backend=backend)
-    assert mine.prepared.gemv is not None
+    assert mine.extra["per_group"] == (form == "int4")
+    assert isinstance(mine.prepared, cpu.CpuWeightOnly if form == "int4" else cpu.CpuInt8Weight)
+    if form == "int4":
+        assert mine.prepared.gemv is not None
     theirs = PreparedLinear.build("W4A8_DYNAMIC", t, backend=REF)
     bias = torch.randn(n, generator=g)
     for m in TOKENS:
         x = torch.randn(m, k, generator=g)
         _close(mine(x, bias), theirs(x, bias), torch.float32)
+
+
+def test_two_stage_as_int8_is_the_group_scaled_weight_exactly():
+    """w4 * s2 with the channel scale bf16(s1) is w4 times the two-stage group scale, value for
+    value (written out here), and the integer dot products with it are the group-scaled sums of
+    those with w4; a non-integer s2 or a product outside int8 is declined."""
+    g = torch.Generator().manual_seed(11)
+    n, k, gs = 16, 128, 32
+    w4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    s1 = torch.rand(n, generator=g) * 0.01 + 1e-3
+    s2 = torch.randint(1, 16, (n, k // gs), generator=g).float()
+    w8, s = numerics.two_stage_int8(w4, s1, s2)
+    assert w8.dtype == torch.int8 and s.shape == (n,)
+    s1b = s1.to(torch.bfloat16).float()
+    group_scale = s2.repeat_interleave(gs, 1) * s1b[:, None]
+    assert torch.equal(w8.float() * s[:, None], w4.float() * group_scale)
+    x = torch.randint(-128, 128, (5, k), generator=g).double()
+    per_group = sum((x[:, i:i + gs] @ w4[:, i:i + gs].double().t()) * s2[:, i // gs].double()
+                    for i in range(0, k, gs))
+    assert torch.equal(x @ w8.double().t(), per_group)
+    assert numerics.two_stage_int8(w4, s1, s2 + 0.5) is None
+    big = s2.clone()
+    big[0, 0] = 17.0                                   # 17 * -8 = -136: outside int8
+    w4_neg = w4.clone()
+    w4_neg[0, 0] = -8
+    assert numerics.two_stage_int8(w4_neg, s1, big) is None
+
+
+def test_two_stage_switch_is_checked(monkeypatch):
+    monkeypatch.setenv(cpu.TWO_STAGE_ENV, "int2")
+    w4, s1, s2 = numerics.two_stage_int4(torch.randn(8, 64) * 0.05, 32)
+    with pytest.raises(ValueError, match="ASCEND_QUANT_CPU_W4A8_GROUPED='int2'"):
+        CpuBackend(gemm="f32").widen_two_stage(w4, s1, s2)
 
 
 def test_isa_switch(monkeypatch):

@@ -215,9 +215,9 @@ def test_compiled_mode_traces_the_linears_it_can(compiled_generations):
     dynamic int8 Linears (W8A8_DYNAMIC, per-channel W4A8), and the same with our AMX-INT8 operator
     (`ascend_quant_cpu::int8_linear`, AMX CPUs) or our integer GEMV's
     (`ascend_quant_cpu::int8_gemv_linear`, the others); and everywhere the Linears whose weights are in
-    the GEMV layout, through the C++ operator `ascend_quant_cpu::wq_linear`: mixed_a's W8A16,
-    mixed_b's W4A16 and two-stage W4A8. Static W8A8, and the weight-only ones with the operator
-    switched off (OP_ENV=0), stay opaque ops."""
+    the GEMV layout, through the C++ operator `ascend_quant_cpu::wq_linear`: mixed_a's W8A16 and
+    mixed_b's W4A16; mixed_b's two-stage W4A8 runs as int8 per channel, like the dynamic ones.
+    Static W8A8, and the weight-only ones with the operator switched off (OP_ENV=0), stay opaque ops."""
     dynamic = [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
     w8a16 = [f"model.layers.1.self_attn.{p}" for p in ("o_proj", "qkv_proj")]
     assert compiled_generations["mixed_a"][1] == sorted(w8a16 + dynamic)
@@ -229,7 +229,13 @@ def test_compiled_mode_traces_the_linears_it_can(compiled_generations):
         assert compiled_generations["mixed_a-onednn"][1] == sorted(w8a16 + dynamic)
     assert compiled_generations["mixed_b"][1] == [f"model.layers.0.{p}" for p in (
         "mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj")]
-    assert compiled_generations["mixed_b-ctypes"][1] == []
+    # two-stage W4A8 is served as int8 per channel (numerics.two_stage_int8): without our C++
+    # operators (OP_ENV=0) it is traced where oneDNN serves it (VNNI and AMX CPUs) and an opaque
+    # op where our integer GEMV does through ctypes; mixed_b's W4A16 stays opaque
+    from ascend_quant.runtime.kernels.cpu import default_gemm
+
+    two_stage = [f"model.layers.0.mlp.{p}" for p in ("down_proj", "gate_up_proj")]
+    assert compiled_generations["mixed_b-ctypes"][1] == (two_stage if default_gemm(amx=False) == "onednn" else [])
 
 
 def test_compiled_engine_traces_our_op():

@@ -130,6 +130,10 @@ class W4A8Dynamic(Scheme):
         n, k = w.shape
         npu = getattr(backend, "name", "") == "npu"
         if "weight_scale_second" in t:
+            widened = None if npu else backend.widen_two_stage(w, t["weight_scale"], t["weight_scale_second"])
+            if widened is not None:       # one int8 weight per channel, exact (numerics.two_stage_int8)
+                prep = backend.prepare_int8(widened[0], widened[1], bits=8)
+                return PreparedLinear(self, backend, prep, n, k, extra={"per_group": False})
             scale = numerics.two_stage_scale(t["weight_scale"].float(), t["weight_scale_second"].float())
             # NPU: an int4 weight-only matmul; elsewhere int8 activations times the dequantized
             # int4 weight, the per-token scale after

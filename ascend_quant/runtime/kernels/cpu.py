@@ -91,6 +91,12 @@ MOE_ENV = "ASCEND_QUANT_CPU_MOE"      # "grouped" (default with AVX-512 VNNI) or
 # "0": weight-only Linears call the GEMV through ctypes from Python instead of through the C++
 # operator `ascend_quant_cpu::wq_linear` (native/wq_op.cpp), which compiled mode traces
 OP_ENV = "ASCEND_QUANT_CPU_OP"
+# two-stage per-group W4A8: "int8" (default) holds w4 * s2 as one int8 weight per channel
+# (numerics.two_stage_int8: exact), so it runs every int8 path W8A8_DYNAMIC runs (AMX-INT8,
+# oneDNN, the integer GEMV) at 1 byte per weight; "int4" keeps the packed int4 weight and its
+# group scales (half a byte per weight; the integer GEMV up to GEMV_MAX_M tokens, float32
+# GEMMs beyond)
+TWO_STAGE_ENV = "ASCEND_QUANT_CPU_W4A8_GROUPED"
 GEMV_PAD = 32            # the kernel's groups are padded to a multiple of this many values
 _XDT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _YDT = {torch.float32: 0, torch.bfloat16: 1}
@@ -628,6 +634,14 @@ class CpuBackend(ReferenceBackend):
         self.gemv_lib.wq_glu_quant_dynamic(h.data_ptr(), _XDT[h.dtype], m, k, h.stride(0), out.data_ptr(),
                                            scale.data_ptr(), torch.get_num_threads())
         return out, scale
+
+    def widen_two_stage(self, weight, s1, s2):
+        """w4 * s2 as int8 per channel where that is exact (`TWO_STAGE_ENV`, above)."""
+        import os
+        mode = os.environ.get(TWO_STAGE_ENV, "int8")
+        if mode not in ("int8", "int4"):
+            raise ValueError(f"{TWO_STAGE_ENV}={mode!r}: expected int8 or int4")
+        return numerics.two_stage_int8(weight, s1, s2) if mode == "int8" else None
 
     def prepare_int8(self, weight, scale, bits: int = 8):
         weight = weight.to(torch.int8)

@@ -100,6 +100,12 @@ class ReferenceBackend:
         acc = exact_int8_matmul(x_q.reshape(-1, x_q.shape[-1]), w_f32_t=w.weight_f32_t)
         return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, -1)
 
+    def widen_two_stage(self, weight: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor):
+        """Two-stage per-group W4A8 as (int8 weight, channel scale) for `prepare_int8`, or None to
+        keep the per-group form (`prepare_weight_only` + `grouped_int8_matmul_dynamic`). The
+        reference keeps the format's own arrangement."""
+        return None
+
     def grouped_int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
         """Two-stage per-group W4A8: x quantized per token, times the dequantized int4 weight
         (`prepare_weight_only`) in float32, the per-token scale after, then bias; cast last."""
