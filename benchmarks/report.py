@@ -5,7 +5,7 @@
 
 Reads benchmarks/results/{calibration,calibration-w8a8d,calibration-gemma,runtime-e2e-compiled-avx2,
 runtime-avx2,kv_cache-avx2,runtime-e2e-compiled-amx-stop38,c8_kernel-amx,c8_kernel-amx-before,
-kv_cache-amx-avx2-forced,runtime-e2e-compiled-avx2-forced,
+kv_cache-amx-avx2-forced,runtime-e2e-compiled-amx-w4a8g64,runtime-e2e-compiled-avx2-forced,
 runtime-e2e-compiled-avx2-forced-int8,runtime-avx2-forced,runtime-e2e-compiled-amx,
 runtime-e2e-compiled-amx-int8,runtime-amx,runtime,
 runtime-e2e-compiled,runtime-e2e,moe_runtime,weight_memory,kv_cache,kv_cache-amx}.*
@@ -137,9 +137,14 @@ def build() -> str:
     lines += markdown_file_section("kv_cache-avx2", "Int8 KV cache in vLLM, AMD EPYC with AVX2 (stop 37)",
                                    AVX2_REAL_SHORT) + [""]
     lines += markdown_file_section("runtime-e2e-compiled-amx-stop38", "vLLM end to end, compiled (vLLM's default "
-                                   "mode), Intel Xeon with AMX (stop 38)", "The current code on the AMX CPU, with "
-                                   "the per-group W4A8 preset grouping and the online rotation's C++ operator "
-                                   "(`--online-rotation`) as engines of their own.") + [""]
+                                   "mode), Intel Xeon with AMX (stop 38)", "The code at the start of stop 38 on the AMX "
+                                   "CPU, with the per-group W4A8 preset grouping and the online rotation's C++ "
+                                   "operator (`--online-rotation`) as engines of their own. Its group-64 row ran the "
+                                   "int4 form with group scales, replaced in the same stop (next table).") + [""]
+    lines += markdown_file_section("runtime-e2e-compiled-amx-w4a8g64", "vLLM end to end, compiled: two-stage "
+                                   "W4A8 (group 64) served as int8 per channel, Intel Xeon with AMX (stop 38)",
+                                   "After `numerics.two_stage_int8`: the group-64 row ran the int4 form in the "
+                                   "table above.") + [""]
     lines += markdown_file_section("c8_kernel-amx", "C8 attention kernel per build, Intel Xeon with AMX (stop 38)",
                                    "After the AVX2 fix (8-float vectors on AVX2). The AVX2 build runs here as it "
                                    "would on an AVX2 CPU (its own instructions only); torch's column uses this "
