@@ -43,8 +43,9 @@ class W4A8Dynamic(Scheme):
     # Selection split: SmolLM2 (128 x 512 fit windows, 16k selection tokens) +9.88% (a patched
     # prototype: +10.01% / +9.26%, seeds 7 / 8) against +11.73%; Gemma-3-270m (64 windows, 8192
     # tokens) +10.62% (prototype +10.64%) against +13.49%; 32k held-out tokens +10.33% / +10.71%.
-    # But its torch-op transform made compiled W4A8 prefill 0.56x bf16 (1.14x without) and decode
-    # 1.08x (1.43x): off until a fused kernel makes it cheap, as issue 16 asks (off by default).
+    # Its torch-op transform made compiled W4A8 prefill 0.56x bf16 (1.14x without) and decode
+    # 1.08x (1.43x); the C++ operator of stop 37 costs 0.83x prefill / 0.97x decode of W4A8
+    # without it (AMX Xeon, stop 38) and 0.92x / 0.95x (AVX2 EPYC). Off, as issue 16 asks.
     preset = {"method": "gptq", "rotation": {"where_supported": True}, "gptq": {"hessian_tokens": 16384},
               "awq": {"score": "final", "alphas": [0.0, 0.1, 0.2, 0.3, 0.4, 0.5], "rotated": False,
                       "moe": False},
