@@ -637,7 +637,6 @@ class CpuBackend(ReferenceBackend):
 
     def widen_two_stage(self, weight, s1, s2):
         """w4 * s2 as int8 per channel where that is exact (`TWO_STAGE_ENV`, above)."""
-        import os
         mode = os.environ.get(TWO_STAGE_ENV, "int8")
         if mode not in ("int8", "int4"):
             raise ValueError(f"{TWO_STAGE_ENV}={mode!r}: expected int8 or int4")
