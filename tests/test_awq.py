@@ -144,6 +144,23 @@ def test_gptq_with_zero_points_beats_asymmetric_rounding():
     assert _output_error(x, w, deq) < 0.8 * _output_error(x, w, rtn)
 
 
+
+def test_awq_final_scoring_reuses_one_hessian_per_group():
+    """`choose_awq` (score: final, weight-only) rounds every candidate with D H D, D = diag(1/s),
+    instead of the Hessian of x / s formed again: the same GPTQ codes (but for float ties)."""
+    from ascend_quant.calibration.group import _plan, _round
+    x = _inputs(128, tokens=1024, seed=8)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)) * 0.05
+    s = torch.rand(128, generator=torch.Generator().manual_seed(10)) + 0.5
+    recipe = recipes.preset("w4a16", G)
+    xs = x / s
+    plans = {"m": _plan("m", "W4A16", w * s, recipe, "layer", None, G, xs)}
+    direct = _round(plans, {"W4A16": xs}, recipe)["m"]
+    d = (1.0 / s).double()
+    reused = _round(plans, {"W4A16": xs}, recipe, {"W4A16": hessian(x) * d[:, None] * d[None, :]})["m"]
+    torch.testing.assert_close(reused[1], direct[1])
+    assert (reused[0] != direct[0]).float().mean() < 1e-3
+
 # ------------------------------------------------------------- asymmetric W4A16
 
 def test_asymmetric_int4_qparams_and_pack_round_trip():

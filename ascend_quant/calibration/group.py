@@ -152,11 +152,23 @@ def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized
     rows = [weights[n].shape[0] for n in names]
     fit = hessian_sample(tokens, recipe)
 
+    # A weight-only scheme's input is fit / s itself, whose Hessian is D H D with D = diag(1 / s)
+    # and H the Hessian of fit: formed once for all candidates (GPTQ's Hessian over tens of
+    # thousands of tokens is most of a candidate's cost), not once per candidate.
+    unscaled: dict[str, torch.Tensor] = {}
+
     def final_weight(w, s):
         inputs = {sch: _input_quantizer(SCHEMES[sch])(fit / s) for sch in dict.fromkeys(quantized.values())}
         plans = {n: _plan(n, quantized[n], part, recipe, prefix, None, group_size, inputs[quantized[n]])
                  for n, part in zip(names, w.split(rows))}
-        rounded = _round(plans, inputs, recipe)
+        hessians = {}
+        for sch in inputs:
+            if SCHEMES[sch].activation_mode == "none" and any(p["method"] == "gptq" for p in plans.values()):
+                if sch not in unscaled:
+                    unscaled[sch] = hessian(fit)
+                d = 1.0 / s.double()
+                hessians[sch] = unscaled[sch] * d[:, None] * d[None, :]
+        rounded = _round(plans, inputs, recipe, hessians)
         return torch.cat([numerics.dequantize(*rounded[n], plans[n]["offset"]) for n in names])
 
     alpha, s = search_scales(stride(tokens, SEARCH_TOKENS), activation_mean(tokens),
@@ -257,11 +269,11 @@ def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
                 clip=None if ratio is None else ratio.mean().item())
 
 
-def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Recipe
-           ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Recipe,
+           hessians: dict[str, torch.Tensor] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every member's (q, scale): min-max, or GPTQ on the Hessian of its scheme's input
-    tokens `inputs[scheme]` [t, k]. Members of one scheme share that input, so their GPTQ
-    runs once on the rows stacked."""
+    tokens `inputs[scheme]` [t, k] (or `hessians[scheme]`, that Hessian already formed).
+    Members of one scheme share that input, so their GPTQ runs once on the rows stacked."""
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     batches: dict[tuple, list[str]] = {}
     for name, plan in plans.items():
@@ -272,7 +284,7 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
         else:
             scale = plan["fixed"] if plan["fixed"] is not None else numerics.weight_scale(plan["w"], bits, plan["gs"])
             rounded[name] = (numerics.quantize(plan["w"], scale, bits, plan["offset"]), scale)
-    hessians: dict[str, torch.Tensor] = {}
+    hessians = dict(hessians or {})
 
     def hessian_of(scheme: str) -> torch.Tensor:
         if scheme not in hessians:
