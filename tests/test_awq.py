@@ -190,6 +190,8 @@ def test_asymmetric_int4_qparams_and_pack_round_trip():
     ("scheme: w4a16\nawq: {clip_min: 0}\n", "clip_min"),
     ("scheme: w4a16\nawq: {grid: 3}\n", "unknown key"),
     ("scheme: w4a16\nawq: {score: gptq}\n", "awq.score"),
+    ("scheme: w4a16\ngptq: {float_target_tokens: -1}\n", "float_target_tokens"),
+    ("scheme: w4a16\ngptq: {hessian_tokens: many}\n", "hessian_tokens"),
 ])
 def test_awq_and_weights_recipe_errors(tmp_path, text, match):
     path = tmp_path / "r.yaml"

@@ -233,6 +233,33 @@ def test_float_target_feeds_gptq_the_float_models_inputs(tiny, calib_jsonl, monk
     assert drifted >= 3 * (len(model.model.layers) - 1)
 
 
+
+@pytest.mark.parametrize("float_target", [True, False])
+def test_float_target_takes_its_own_token_cap(tiny, calib_jsonl, monkeypatch, float_target):
+    """gptq.float_target_tokens replaces hessian_tokens where the float target applies (for the
+    fit's tokens and GPTQ's Hessian alike); without the float target hessian_tokens holds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    s = tokenize_samples(load_texts(calib_jsonl), tok, 16, 64)
+    k = model.config.hidden_size
+    n_valid = int(s.valid.sum())
+    assert n_valid > 4 * k                         # so that the small cap below samples
+    seen = []
+    real = runner.quantize_linears
+
+    def spy(weights, biases, quantized, inputs, *args, float_target=None, **kw):
+        recipe = args[4]                                               # quantize_linears(..., recipe, prefix)
+        seen.append((recipe.gptq.hessian_tokens, None if float_target is None else float_target[0].shape[0]))
+        return real(weights, biases, quantized, inputs, *args, float_target=float_target, **kw)
+
+    monkeypatch.setattr(runner, "quantize_linears", spy)
+    rec = recipes.preset("w8a16")
+    rec.method, rec.gptq.float_target, rec.gptq.hessian_tokens, rec.gptq.float_target_tokens = "gptq", float_target, 1, 0
+    runner.quantize_model(model, s.ids, rec, valid=s.valid)
+    assert seen and all(h == (0 if float_target else 1) for h, _ in seen)
+    assert all(t == (n_valid if float_target else None) for _, t in seen)
+
 def test_smoothing_keeps_the_product():
     torch.manual_seed(0)
     norm = torch.nn.Module()

@@ -83,6 +83,10 @@ class GPTQ:
     # False: float_target only where the model is rotated (W4A16's preset: on unrotated Gemma-3
     # it lost 2.7 points, on rotated SmolLM2 it won 0.4 to 1.1)
     float_target_unrotated: bool = True
+    # where float_target applies, GPTQ's Hessian and the float-target fit take at most this
+    # many tokens instead of hessian_tokens (0: all): the fit solves for k weights per output
+    # row, so a sample of a few k tokens overfits it (W4A16 on rotated SmolLM2, stop 39)
+    float_target_tokens: int = 65536
 
 
 @dataclass
@@ -333,6 +337,9 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: awq.rotated, awq.moe and awq.duo must be true or false")
     if not all(isinstance(v, bool) for v in (recipe.gptq.float_target, recipe.gptq.float_target_unrotated)):
         raise RecipeError(f"{where}: gptq.float_target and gptq.float_target_unrotated must be true or false")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for v in (recipe.gptq.hessian_tokens, recipe.gptq.float_target_tokens)):
+        raise RecipeError(f"{where}: gptq.hessian_tokens and gptq.float_target_tokens must be counts >= 0 (0: all)")
     if awq and awq.score not in ("minmax", "final"):
         raise RecipeError(f"{where}: awq.score must be minmax or final, got {awq.score!r}")
     if not recipe.weights.symmetric and not get_scheme(recipe.scheme).weight_zero_points:

@@ -410,8 +410,11 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     reports: list[LayerReport] = []
     layers = spec.layers(model)
-    # gptq.float_target: the float model's hidden states, run alongside through float copies
+    # gptq.float_target: the float model's hidden states, run alongside through float copies;
+    # the Hessian and the fit then take gptq.float_target_tokens tokens
     x_float = x.clone() if recipe.gptq.float_target and recipe.activations.observer != "running" else None
+    if x_float is not None:
+        recipe = replace(recipe, gptq=replace(recipe.gptq, hessian_tokens=recipe.gptq.float_target_tokens))
     rotations = torch.Generator().manual_seed(recipe.online_rotation.seed) if recipe.online_rotation else None
     for i, layer in enumerate(layers):
         start = time.perf_counter()
