@@ -85,7 +85,7 @@ class GPTQ:
     float_target_unrotated: bool = True
     # where float_target applies, GPTQ's Hessian and the float-target fit take at most this
     # many tokens instead of hessian_tokens (0: all): the fit solves for k weights per output
-    # row, so a sample of a few k tokens overfits it (W4A16 on rotated SmolLM2, stop 39)
+    # row, which a sample of a few k tokens may overfit (W4A16 on rotated SmolLM2, stop 39)
     float_target_tokens: int = 65536
 
 
