@@ -68,6 +68,7 @@ def test_a_failing_vllm_start_is_the_exit_status(tmp_path):
 @pytest.mark.parametrize("env,message", [
     ({"ASCEND_QUANT_CPU_GEMM": "fast"}, "Error: ASCEND_QUANT_CPU_GEMM='fast': use one of amx, onednn, gemv, f32, int_mm"),
     ({"ASCEND_QUANT_CPU_ISA": "sse"}, "Error: ASCEND_QUANT_CPU_ISA='sse': use one of amx, avx512bf16, avx512, avx2, off"),
+    ({"ASCEND_QUANT_CPU_W4A8_GROUPED": "int2"}, "Error: ASCEND_QUANT_CPU_W4A8_GROUPED='int2': expected int8 or int4"),
     ({"ASCEND_QUANT_CPU_GEMM": "amx", "ASCEND_QUANT_CPU_ISA": "avx2"},
      "Error: ASCEND_QUANT_CPU_GEMM=amx needs a CPU with AMX-INT8, the amx GEMV build (ASCEND_QUANT_CPU_ISA unset or "
      "amx) and the C++ operator (ASCEND_QUANT_CPU_OP not 0)")])

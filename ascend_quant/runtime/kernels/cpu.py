@@ -111,6 +111,13 @@ def _weight_mode() -> str:
     return mode
 
 
+def _two_stage_mode() -> str:
+    mode = os.environ.get(TWO_STAGE_ENV, "int8")
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"{TWO_STAGE_ENV}={mode!r}: expected int8 or int4")
+    return mode
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The words of /proc/cpuinfo (its flags among them), read once; empty where it is unreadable."""
@@ -189,11 +196,13 @@ def default_gemm(amx: bool = True) -> str:
 
 def check_env() -> None:
     """Raise ValueError (one line) for a bad CPU-backend switch (`ASCEND_QUANT_CPU_GEMM`, `_ISA`,
-    `_OP`, `_WEIGHTS`, `_MOE`), so that a command can refuse it before it starts a vLLM engine,
-    whose worker would otherwise fail on it with a traceback. Nothing to check when none is set."""
-    if not any(os.environ.get(v) for v in (GEMM_ENV, ISA_ENV, OP_ENV, WEIGHTS_ENV, MOE_ENV)):
+    `_OP`, `_WEIGHTS`, `_MOE`, `_W4A8_GROUPED`), so that a command can refuse it before it starts a
+    vLLM engine, whose worker would otherwise fail on it with a traceback. Nothing to check when
+    none is set."""
+    if not any(os.environ.get(v) for v in (GEMM_ENV, ISA_ENV, OP_ENV, WEIGHTS_ENV, MOE_ENV, TWO_STAGE_ENV)):
         return
     _weight_mode()
+    _two_stage_mode()
     if os.environ.get(MOE_ENV):
         moe_mode()
     CpuBackend()
@@ -637,10 +646,7 @@ class CpuBackend(ReferenceBackend):
 
     def widen_two_stage(self, weight, s1, s2):
         """w4 * s2 as int8 per channel where that is exact (`TWO_STAGE_ENV`, above)."""
-        mode = os.environ.get(TWO_STAGE_ENV, "int8")
-        if mode not in ("int8", "int4"):
-            raise ValueError(f"{TWO_STAGE_ENV}={mode!r}: expected int8 or int4")
-        return numerics.two_stage_int8(weight, s1, s2) if mode == "int8" else None
+        return numerics.two_stage_int8(weight, s1, s2) if _two_stage_mode() == "int8" else None
 
     def prepare_int8(self, weight, scale, bits: int = 8):
         weight = weight.to(torch.int8)
