@@ -85,6 +85,15 @@ def test_spec_names_the_fused_linears(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_output_norms_read_their_groups_output(family):
+    """GLM-4's sandwich norms as the spec names them (Phi-3 has none): the norm's input is the
+    group's Linear's output in a forward of the model."""
+    from test_families import _check_output_norms
+    model = _model(family)
+    _check_output_norms(model, spec_for_model(model), torch.randint(3, 512, (1, 12)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_smoothing_through_every_producer_keeps_the_logits(family):
     model = _model(family)
     spec = spec_for_model(model)

@@ -23,10 +23,11 @@ SPEC = ArchSpec(
     groups=(
         LinearGroup("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                     "input_layernorm", "rmsnorm_offset", vllm_fused="qkv_proj"),
-        LinearGroup("o", ("self_attn.o_proj",), row_parallel=True),
+        LinearGroup("o", ("self_attn.o_proj",), row_parallel=True, output_norm="post_attention_layernorm"),
         LinearGroup("gate_up", ("mlp.gate_proj", "mlp.up_proj"), "pre_feedforward_layernorm", "rmsnorm_offset",
                     vllm_fused="gate_up_proj"),
-        LinearGroup("down", ("mlp.down_proj",), "mlp.up_proj", "linear_rows", row_parallel=True),
+        LinearGroup("down", ("mlp.down_proj",), "mlp.up_proj", "linear_rows", row_parallel=True,
+                    output_norm="post_feedforward_layernorm"),
     ),
     mlp=GatedMLP("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", activation="gelu_pytorch_tanh"),
     notes=("post_attention_layernorm / post_feedforward_layernorm: on o_proj's / down_proj's output, no fold",),

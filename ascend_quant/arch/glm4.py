@@ -36,11 +36,11 @@ SPEC = ArchSpec(
     groups=(
         LinearGroup("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                     "input_layernorm", "rmsnorm", vllm_fused="qkv_proj"),
-        LinearGroup("o", ("self_attn.o_proj",), row_parallel=True),
+        LinearGroup("o", ("self_attn.o_proj",), row_parallel=True, output_norm="post_self_attn_layernorm"),
         LinearGroup("gate_up", ("mlp.gate_up_proj",), "post_attention_layernorm", "rmsnorm",
                     vllm_fused="gate_up_proj", on_disk=("gate_proj", "up_proj")),
         LinearGroup("down", ("mlp.down_proj",), "mlp.gate_up_proj", "linear_rows", row_parallel=True,
-                    producer_chunk=(1, 2)),
+                    producer_chunk=(1, 2), output_norm="post_mlp_layernorm"),
     ),
     post_norms=("post_self_attn_layernorm", "post_mlp_layernorm"),
     vllm_ascend_gap=("glm4: vllm-ascend 0.23 does not load this checkpoint: for mlp.gate_up_proj (fused "

@@ -37,7 +37,9 @@ tensors, which calibration copies FLOAT and the checkpoint tools accept.
 `rotation` (a `ResidualRotation`) says where an offline rotation of the residual stream
 (R1) and the per-head v/o rotation (R2) fold (calibration/rotation.py); None where that is
 no equivalence. `post_norms` names norms on a Linear's output before the residual add
-(Gemma, GLM-4), which rule R1 out.
+(Gemma, GLM-4), which rule R1 out; the group whose output one reads names it
+(`LinearGroup.output_norm`), so that calibration measures that Linear's error as the norm
+passes it on (calibration/group.py, `output_norm_weights`).
 
 A Mixture-of-Experts layer (`ArchSpec.moe`, arch/moe.py) replaces the dense MLP groups by
 one gate/up and one down group per routed expert (templated on `{e}`), plus any shared
@@ -86,6 +88,10 @@ class LinearGroup:
     # (index, count): the group reads rows chunk `index` of `count` of its Linear producer
     producer_chunk: tuple[int, int] | None = None
     expert: int | None = None      # a routed expert's group: its index (the names hold it)
+    # a norm on the group's only member's output before the residual add (a post-norm, one of
+    # ArchSpec.post_norms): it divides each token's output by its RMS, so calibration weighs
+    # each token's output error by that 1 / RMS
+    output_norm: str | None = None
 
     def __post_init__(self):
         if (self.producer is None) != (self.producer_kind is None) or \
@@ -95,6 +101,8 @@ class LinearGroup:
             raise ValueError(f"group {self.name}: a Linear fused on disk is the group's only member")
         if self.producer_chunk is not None and self.producer_kind != "linear_rows":
             raise ValueError(f"group {self.name}: producer_chunk needs a linear_rows producer")
+        if self.output_norm is not None and len(self.linears) != 1:
+            raise ValueError(f"group {self.name}: an output_norm reads one Linear's output")
 
     def producer_rows(self, n: int) -> slice:
         """The producer's rows (of `n`) the fold divides: all, or `producer_chunk`'s part."""
@@ -158,6 +166,11 @@ class ArchSpec:
     rotation: ResidualRotation | None = None
     # norms on a Linear's output before the residual add (Gemma, GLM-4): they rule R1 out
     post_norms: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for g in self.groups:
+            if g.output_norm is not None and g.output_norm not in self.post_norms:
+                raise ValueError(f"{self.name}: group {g.name}'s output_norm {g.output_norm!r} is not in post_norms")
 
     def fits(self, config) -> bool:
         """Whether this spec is the one for `config` (object or dict) among its model type's."""
