@@ -193,6 +193,137 @@ def test_gemma2_c8_calibration_matches_eager_attention(tmp_path, tiny, calib_jso
     assert err < 0.2 * uncapped, (err, uncapped)
 
 
+# ------------------------------------------------------------------------ post-norm weighting
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_norms_read_their_groups_output(family, tiny):
+    """Gemma's post norms as the spec names them: post_attention_layernorm reads o_proj's
+    output, post_feedforward_layernorm down_proj's. A norm named on a group of several
+    Linears, or not among the spec's post_norms, is refused."""
+    from ascend_quant.arch.spec import ArchSpec, LinearGroup
+    model = _float_model(tiny[family])
+    _check_output_norms(model, spec_for_model(model), IDS)
+    with pytest.raises(ValueError, match="one Linear"):
+        LinearGroup("qkv", ("q", "k"), output_norm="n")
+    with pytest.raises(ValueError, match="not in post_norms"):
+        ArchSpec("x", ("x",), (LinearGroup("o", ("o",), output_norm="n"),))
+
+
+def _check_output_norms(model, spec, ids):
+    """Each group's `output_norm` reads that group's Linear's output and nothing else (hooks in
+    a forward of the real model); a group without one feeds no norm in spec.post_norms."""
+    layer = spec.layers(model)[0]
+    outputs, norm_inputs = {}, {}
+    handles = [layer.get_submodule(g.linears[0]).register_forward_hook(
+        lambda m, a, o, n=g.name: outputs.__setitem__(n, o)) for g in spec.groups]
+    handles += [layer.get_submodule(n).register_forward_hook(
+        lambda m, a, o, n=n: norm_inputs.__setitem__(n, a[0])) for n in spec.post_norms]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    named = {g.output_norm: g.name for g in spec.groups if g.output_norm is not None}
+    assert sorted(named) == sorted(spec.post_norms)
+    for norm, group in named.items():
+        assert norm_inputs[norm] is outputs[group] or torch.equal(norm_inputs[norm], outputs[group])
+
+
+def test_post_norm_token_weights_follow_the_norm(tiny):
+    """`output_norm_weights` against the post-norm itself: for each token, how much a small
+    change of o_proj's output (orthogonal to it) moves the output of the model's own
+    post_attention_layernorm (its gain set to 1), by finite differences in float64. Up to one
+    constant, the two agree token by token, also for tokens whose output is 100x smaller."""
+    from ascend_quant.calibration.group import output_norm_weights
+    from ascend_quant.calibration.runner import _norm_eps
+    model = _float_model(tiny["gemma3"])
+    spec = spec_for_model(model)
+    o = next(g for g in spec.groups if g.name == "o")
+    layer = model.model.layers[0]
+    norm = layer.get_submodule(o.output_norm)
+    linear = layer.get_submodule(o.linears[0])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, linear.in_features, generator=g)
+    x[::4] *= 0.01                                   # some tokens with a tiny output
+    got = output_norm_weights(x, linear.weight, linear.bias, _norm_eps(norm))
+    oracle = norm.double()
+    with torch.no_grad():
+        oracle.weight.zero_()                        # Gemma's (1 + w) gain: 1
+        y = x.double() @ linear.weight.double().t()
+        u = torch.randn(y.shape, generator=g, dtype=torch.float64)
+        u -= (u * y).sum(-1, keepdim=True) / (y * y).sum(-1, keepdim=True) * y
+        u /= u.norm(dim=-1, keepdim=True)
+        step = 1e-4 * y.norm(dim=-1, keepdim=True)
+        moved = (oracle(y + step * u) - oracle(y)).norm(dim=-1) / step.squeeze(-1)
+    ratio = got.double() / moved
+    assert (ratio / ratio.mean() - 1).abs().max() < 1e-3, ratio
+    assert moved.max() / moved.min() > 50             # the weights really differ
+
+
+def test_post_norm_weighting_lowers_the_error_the_norm_passes_on():
+    """GPTQ on one Linear whose output a post-norm reads, for tokens whose outputs differ 30x in
+    size and whose inputs are correlated differently: with the tokens weighted
+    (`token_weights`), the error after the norm (torch's RMSNorm) is lower than with every
+    token alike; the unnormalised error, which the large outputs dominate, goes the other way."""
+    from ascend_quant.calibration import group
+    from ascend_quant.calibration.group import output_norm_weights, quantize_linears
+    from ascend_quant.calibration.group import ActivationQParams
+    g = torch.Generator().manual_seed(0)
+    k, n, t = 64, 48, 2048
+    w = torch.randn(n, k, generator=g) * 0.1
+    # two kinds of tokens with different correlations; the first kind's outputs are 30x smaller
+    x = torch.cat([torch.randn(t // 2, k, generator=g) @ torch.randn(k, k, generator=g) / 30,
+                   torch.randn(t // 2, k, generator=g) @ torch.randn(k, k, generator=g)]) * 0.3
+    rec = recipes.Recipe("W4A16", method="gptq", group_size=32)
+    tw = output_norm_weights(x, w, None, 1e-6)
+    norm = torch.nn.RMSNorm(n, eps=1e-6, elementwise_affine=False)
+    errors = {}
+    for label, weights in (("equal", None), ("weighted", tw)):
+        q = quantize_linears({"m": w}, {"m": None}, {"m": "W4A16"}, {"W4A16": x}, x[:8], {"W4A16": x[:8]},
+                             ActivationQParams(), True, rec, "layer", token_weights=weights)["m"]
+        wq = q.dequantized()
+        errors[label] = ((norm(x @ wq.t()) - norm(x @ w.t())).norm().item(), (x @ (wq - w).t()).norm().item())
+    assert errors["weighted"][0] < 0.9 * errors["equal"][0], errors
+    assert errors["weighted"][1] > errors["equal"][1], errors
+    assert group.sample(x, 0, tw).shape == x.shape
+
+
+def test_weighted_activation_mean_counts_each_token_by_its_weight():
+    """AWQ's per-channel mean |x| with token weights, over chunks, against the mean written out."""
+    from ascend_quant.calibration.awq import activation_mean
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(300, 16, generator=g), torch.rand(300, generator=g)
+    torch.testing.assert_close(activation_mean(x, w, chunk=64), (x.abs() * w[:, None]).sum(0) / 300)
+    torch.testing.assert_close(activation_mean(x), x.abs().mean(0))
+
+
+def test_post_norm_groups_get_token_weights(tmp_path, tiny, calib_jsonl, monkeypatch):
+    """The runner weighs tokens for the groups a post-norm reads (o_proj, down_proj), for no
+    other group, not with `weights: {post_norm: false}` and not for static W8A8 (one range for
+    all tokens does not commute with scaling them)."""
+    from ascend_quant.calibration import runner
+    seen = {}
+    real = runner.quantize_linears
+
+    def spy(weights, *args, token_weights=None, **kwargs):
+        seen.setdefault(next(iter(weights)), []).append(token_weights)
+        return real(weights, *args, token_weights=token_weights, **kwargs)
+    monkeypatch.setattr(runner, "quantize_linears", spy)
+
+    def weighted(rec):
+        seen.clear()
+        job.calibrate(str(tiny["gemma3"]), tmp_path / f"out{len(list(tmp_path.iterdir()))}", rec, calib_jsonl,
+                      num_samples=4, seq_len=32, show_progress=False)
+        return sorted(name for name, tws in seen.items() if any(tw is not None for tw in tws))
+
+    rec = recipes.preset("w4a16", 32)
+    assert weighted(rec) == ["mlp.down_proj", "self_attn.o_proj"]
+    tws = [tw for name in ("self_attn.o_proj", "mlp.down_proj") for tw in seen[name]]
+    assert len(tws) == 3 * 2 and all(tw is not None and torch.isfinite(tw).all() and tw.min() > 0 for tw in tws)
+    rec.weights.post_norm = False
+    assert weighted(rec) == []
+    assert weighted(recipes.preset("w8a8")) == []
+
+
 # ------------------------------------------------------------------------ every scheme
 
 SCHEMES = ("w8a8", "w8a8-dynamic", "w8a16", "w4a16", "w4a8")

@@ -26,10 +26,17 @@ from ascend_quant.calibration.smoothquant import best_factors
 QParams = Callable[[torch.Tensor, "torch.Tensor | float"], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def activation_mean(tokens: torch.Tensor) -> torch.Tensor:
-    """Mean |x| per input channel of tokens [t, k] (float32 [k]), without a copy of them."""
-    return torch.linalg.vector_norm(tokens.float() if tokens.dtype != torch.float32 else tokens,
-                                    1, dim=0) / max(tokens.shape[0], 1)
+def activation_mean(tokens: torch.Tensor, token_weights: torch.Tensor | None = None, chunk: int = 4096
+                    ) -> torch.Tensor:
+    """Mean |x| per input channel of tokens [t, k] (float32 [k]), without a copy of them; with
+    `token_weights` [t], of each token's |x| times its weight (a chunk of tokens at a time)."""
+    n = max(tokens.shape[0], 1)
+    if token_weights is None:
+        return torch.linalg.vector_norm(tokens.float() if tokens.dtype != torch.float32 else tokens, 1, dim=0) / n
+    total = torch.zeros(tokens.shape[-1])
+    for i in range(0, tokens.shape[0], chunk):
+        total += token_weights[i:i + chunk].float() @ tokens[i:i + chunk].float().abs()
+    return total / n
 
 
 @torch.no_grad()

@@ -51,11 +51,47 @@ def stride(x: torch.Tensor, count: int) -> torch.Tensor:
     return x[::-(-x.shape[0] // count)]
 
 
-def hessian_sample(tokens: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """The tokens [t, k] GPTQ's Hessian is computed on: an even stride of at most
-    max(gptq.hessian_tokens, 4 k) of them (all with hessian_tokens 0)."""
+def weigh(x: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    """Tokens x [t, k] with row i scaled by token_weights[i] (a copy), or x itself (None)."""
+    return x if token_weights is None else x * token_weights[:, None].to(x.dtype)
+
+
+def sample(tokens: torch.Tensor, count: int, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """`stride(tokens, count)`, each row scaled by its token's weight (`output_norm_weights`)."""
+    return weigh(stride(tokens, count), None if token_weights is None else stride(token_weights, count))
+
+
+def hessian_count(k: int, recipe: Recipe) -> int:
+    """How many tokens of a group with k in-features GPTQ's Hessian takes: at most
+    max(gptq.hessian_tokens, 4 k) (0: all)."""
     cap = recipe.gptq.hessian_tokens
-    return stride(tokens, cap and max(cap, 4 * tokens.shape[-1]))
+    return cap and max(cap, 4 * k)
+
+
+def hessian_sample(tokens: torch.Tensor, recipe: Recipe, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens [t, k] GPTQ's Hessian is computed on: an even stride of `hessian_count` of
+    them, weighted by `token_weights` [t] if given."""
+    return sample(tokens, hessian_count(tokens.shape[-1], recipe), token_weights)
+
+
+def output_norm_weights(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        eps: float, chunk: int = 4096) -> torch.Tensor:
+    """float32 [t]: how much each token's output error counts where a post-norm reads the
+    Linear's output y = x W^T + b (arch `LinearGroup.output_norm`; tokens x [t, k]). The norm
+    divides y_t by RMS(y_t) = sqrt(mean(y_t^2) + eps), so an error e_t in y_t reaches the
+    residual as about e_t / RMS(y_t) (times the norm's per-channel gain, which weighs output
+    rows, not tokens, and leaves each row's GPTQ problem as it is): tokens whose output is small
+    get their error amplified. Scaled to a mean square of 1, so a Hessian of the weighted tokens
+    keeps its size."""
+    w = weight.detach().float()
+    rms = torch.empty(tokens.shape[0])
+    for i in range(0, tokens.shape[0], chunk):
+        y = tokens[i:i + chunk].float() @ w.t()
+        if bias is not None:
+            y += bias.detach().float()
+        rms[i:i + chunk] = y.pow(2).mean(-1).add(eps).sqrt()
+    weights = rms.reciprocal()
+    return weights / weights.pow(2).mean().sqrt().clamp(min=1e-30)
 
 
 def error_sample(tokens: torch.Tensor) -> torch.Tensor:
@@ -131,14 +167,16 @@ def weight_qparams(scheme: str, w: torch.Tensor, gs: int, symmetric: bool, ratio
 
 
 def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized: dict[str, str],
-               recipe: Recipe, prefix: str = "", group_size: int | None = None
-               ) -> tuple[float | str | None, torch.Tensor | None]:
+               recipe: Recipe, prefix: str = "", group_size: int | None = None,
+               token_weights: torch.Tensor | None = None) -> tuple[float | str | None, torch.Tensor | None]:
     """(alpha, s [k]) of the AWQ scaling for a group with input tokens [t, k] and members'
     weights [n_i, k]: the best of the recipe's `awq.alphas` or no scaling (alpha and s None),
     scored on a token sample with the first quantized member's scheme: its activation
     quantizer and (`awq.score` minmax) its min-max weights, or (`final`) each member's own
     rounding as `quantize_linears` does it (clip search, GPTQ on the scaled inputs' Hessian).
-    `prefix` names the layer; `group_size`: instead of the recipe's (per-channel experts)."""
+    `prefix` names the layer; `group_size`: instead of the recipe's (per-channel experts).
+    `token_weights` [t]: each token's error counts with its weight (`output_norm_weights`; the
+    activation quantizer must then be per token, so that it commutes with the weighting)."""
     scheme = next(iter(quantized.values()))
     info = SCHEMES[scheme]
     gs = info.group_size_for(recipe.group_size if group_size is None else group_size)
@@ -151,6 +189,7 @@ def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized
     names = list(quantized)
     rows = [weights[n].shape[0] for n in names]
     fit = hessian_sample(tokens, recipe)
+    fit_weights = None if token_weights is None else stride(token_weights, hessian_count(tokens.shape[-1], recipe))
 
     # A weight-only scheme's input is fit / s itself, whose Hessian is D H D with D = diag(1 / s)
     # and H the Hessian of fit: formed once for all candidates (GPTQ's Hessian over tens of
@@ -158,20 +197,21 @@ def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized
     unscaled: dict[str, torch.Tensor] = {}
 
     def final_weight(w, s):
-        inputs = {sch: _input_quantizer(SCHEMES[sch])(fit / s) for sch in dict.fromkeys(quantized.values())}
+        inputs = {sch: weigh(_input_quantizer(SCHEMES[sch])(fit / s), fit_weights)
+                  for sch in dict.fromkeys(quantized.values())}
         plans = {n: _plan(n, quantized[n], part, recipe, prefix, None, group_size, inputs[quantized[n]])
                  for n, part in zip(names, w.split(rows))}
         hessians = {}
         for sch in inputs:
             if SCHEMES[sch].activation_mode == "none" and any(p["method"] == "gptq" for p in plans.values()):
                 if sch not in unscaled:
-                    unscaled[sch] = hessian(fit)
+                    unscaled[sch] = hessian(weigh(fit, fit_weights))
                 d = 1.0 / s.double()
                 hessians[sch] = unscaled[sch] * d[:, None] * d[None, :]
         rounded = _round(plans, inputs, recipe, hessians)
         return torch.cat([numerics.dequantize(*rounded[n], plans[n]["offset"]) for n in names])
 
-    alpha, s = search_scales(stride(tokens, SEARCH_TOKENS), activation_mean(tokens),
+    alpha, s = search_scales(sample(tokens, SEARCH_TOKENS, token_weights), activation_mean(tokens, token_weights),
                              [weights[n] for n in quantized], recipe.awq.alphas, _input_quantizer(info),
                              final_weight if recipe.awq.score == "final" else minmax_weight,
                              recipe.awq.duo, gs)
@@ -231,12 +271,13 @@ def fake_quantized_inputs(x: torch.Tensor, subsample: torch.Tensor, quantized: d
 # ---------------------------------------------------------------------- quantize
 
 def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
-          method: str | None = None, group_size: int | None = None, tokens: torch.Tensor | None = None) -> dict:
+          method: str | None = None, group_size: int | None = None, tokens: torch.Tensor | None = None,
+          token_weights: torch.Tensor | None = None) -> dict:
     """How one member's weight w [n, k] is rounded: method, group size and the scales fixed
     before rounding, if any: two-stage int4's s1 [n, 1] and s2 [n, k // g], an AWQ clip
     search's (on `tokens` [t, k], the input the member computes with; not for an expert's
     min-max fallback) or asymmetric min-max ones with their zero points (`method`,
-    `group_size`: instead of the recipe's)."""
+    `group_size`: instead of the recipe's; `token_weights` [t]: the tokens' weights)."""
     info = SCHEMES[scheme]
     fallback = method == "minmax"
     method = method or recipe.method_for(f"{prefix}.{name}")
@@ -253,7 +294,7 @@ def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
     if awq is not None and awq.clip and not fallback and tokens is not None and tokens.shape[0]:
         def qparams(wt, r):
             return weight_qparams(scheme, wt, gs, symmetric, r)[:2]
-        _, _, ratio = search_clip(w, stride(tokens, CLIP_TOKENS), qparams, bits, gs,
+        _, _, ratio = search_clip(w, sample(tokens, CLIP_TOKENS, token_weights), qparams, bits, gs,
                                   clip_ratios(awq.clip_min, awq.clip_grid))
         fixed, offset, two_stage = weight_qparams(scheme, w, gs, symmetric, ratio)
     elif symmetric:           # fixed only for two-stage int4; else GPTQ or min-max chooses
@@ -270,9 +311,11 @@ def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
 
 
 def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Recipe,
-           hessians: dict[str, torch.Tensor] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+           hessians: dict[str, torch.Tensor] | None = None, token_weights: torch.Tensor | None = None
+           ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every member's (q, scale): min-max, or GPTQ on the Hessian of its scheme's input
-    tokens `inputs[scheme]` [t, k] (or `hessians[scheme]`, that Hessian already formed).
+    tokens `inputs[scheme]` [t, k], weighted by `token_weights` [t] if given (or
+    `hessians[scheme]`, that Hessian already formed).
     Members of one scheme share that input, so their GPTQ runs once on the rows stacked."""
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     batches: dict[tuple, list[str]] = {}
@@ -288,7 +331,7 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
 
     def hessian_of(scheme: str) -> torch.Tensor:
         if scheme not in hessians:
-            hessians[scheme] = hessian(hessian_sample(inputs[scheme], recipe))
+            hessians[scheme] = hessian(hessian_sample(inputs[scheme], recipe, token_weights))
         return hessians[scheme]
 
     for (scheme, gs, has_fixed, has_offset), names in batches.items():
@@ -322,7 +365,8 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
                      sub_inputs: dict[str, torch.Tensor], qparams: ActivationQParams, row_parallel: bool,
                      recipe: Recipe, prefix: str, method: str | None = None,
                      group_size: int | None = None,
-                     float_target: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, QuantizedLinear]:
+                     float_target: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     token_weights: torch.Tensor | None = None) -> dict[str, QuantizedLinear]:
     """The quantized members (`quantized`: name -> scheme) from their weights [n, k] and
     biases, their scheme's input tokens `inputs[scheme]` [t, k] (GPTQ's Hessian) and the
     group's activation range. Each one's `error` is its relative output error on the float
@@ -334,7 +378,9 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
     own input before its activation quantizer, both at the Hessian's tokens (`hessian_sample`);
     GPTQ members then round the weight whose output on their own input best matches the float
     model's output (`gptq.float_target_weight`). The fit sees the upstream drift only: fitted
-    to the activation-quantized input it would also chase this input's per-token rounding."""
+    to the activation-quantized input it would also chase this input's per-token rounding.
+    `token_weights` [t] (`output_norm_weights`): each token's error counts with its weight in
+    the clip search and GPTQ (a given `float_target` is weighted already)."""
     originals = {name: weights[name].float() for name in quantized}
     targets = dict(originals)
     if float_target is not None and method != "minmax":
@@ -345,8 +391,8 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
                                          float_target[0], recipe.gptq.damp)
             targets.update(zip(names, fitted.split(rows)))
     plans = {name: _plan(name, scheme, targets[name], recipe, prefix, method, group_size,
-                         inputs.get(scheme)) for name, scheme in quantized.items()}
-    rounded = _round(plans, inputs, recipe)
+                         inputs.get(scheme), token_weights) for name, scheme in quantized.items()}
+    rounded = _round(plans, inputs, recipe, token_weights=token_weights)
     linears: dict[str, QuantizedLinear] = {}
     for name, plan in plans.items():
         scheme, w = plan["scheme"], originals[name]

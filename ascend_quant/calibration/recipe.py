@@ -125,6 +125,11 @@ class Weights:
     # points) are refitted by least squares to the layer's output on the calibration inputs
     # (gptq.refit_scales); two-stage int4 refits s1 only, s2 stays an integer
     refit: bool = False
+    # True: where a post-norm reads the Linear's output (Gemma's and GLM-4's o_proj / down_proj,
+    # arch LinearGroup.output_norm), each calibration token's output error counts with the weight
+    # 1 / RMS(output) that the norm gives it, in AWQ's and the clip search's losses and GPTQ's
+    # Hessian (group.output_norm_weights); False: every token alike. No effect on min-max rounding
+    post_norm: bool = True
 
 
 @dataclass

@@ -31,10 +31,11 @@ from ascend_quant.arch import ArchSpec, LinearExperts, LinearGroup, experts_of, 
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
-                                            hessian_sample, observe_activations, quantize_linears, smooths)
+                                            hessian_count, hessian_sample, observe_activations,
+                                            output_norm_weights, quantize_linears, smooths, stride, weigh)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
 from ascend_quant.calibration import online_rotation
-from ascend_quant.calibration.recipe import Recipe, Weights
+from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import apply_smoothing
 from ascend_quant.schemes import SCHEMES, QuantizedLinear, is_float
 
@@ -180,9 +181,16 @@ class _GroupHook:
         group_size = 0 if expert and _activations_quantized(quantized) else None      # per-channel experts
         if expert and not recipe.weights.symmetric:
             # zero points are for dense Linears: vllm-ascend's W4A16 experts have no weight_offset
-            recipe = replace(recipe, weights=Weights(symmetric=True))
+            recipe = replace(recipe, weights=replace(recipe.weights, symmetric=True))
+        # a post-norm reads the member's output: each token's error counts as the norm passes it on
+        token_weights = None
+        if group.output_norm is not None and recipe.weights.post_norm and not expert and \
+                all(SCHEMES[q].activation_mode != "static" for q in quantized.values()):
+            member = next(iter(self.modules.values()))
+            norm = self.layer.get_submodule(group.output_norm)
+            token_weights = output_norm_weights(flat, member.weight, member.bias, _norm_eps(norm))
         if self.awq:
-            self.alpha, s = choose_awq(flat, weights, quantized, recipe, self.prefix, group_size)
+            self.alpha, s = choose_awq(flat, weights, quantized, recipe, self.prefix, group_size, token_weights)
         elif self.smoothed:
             self.alpha, s = choose_smoothing(flat, weights, quantized, recipe, group.name)
         if s is not None:
@@ -200,8 +208,10 @@ class _GroupHook:
         # gptq.float_target: the float model's input and this one, before the activation quantizer
         float_target = None
         if self.float_input is not None:
-            float_target = (self.float_input if s is None else self.float_input / s,
-                            hessian_sample(flat, recipe).float().clone())
+            fit_weights = None if token_weights is None else stride(token_weights,
+                                                                    hessian_count(flat.shape[-1], recipe))
+            float_target = (weigh(self.float_input if s is None else self.float_input / s, fit_weights),
+                            weigh(hessian_sample(flat, recipe).float().clone(), fit_weights))
             self.float_input = None
         # 3. the input each scheme's members compute with: kept for the forward (unless
         # msModelSlim's per-sample running ranges apply there), its real tokens feed GPTQ
@@ -216,7 +226,7 @@ class _GroupHook:
         linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
                                    group.row_parallel, recipe, self.prefix,
                                    method="minmax" if self.fallback else None, group_size=group_size,
-                                   float_target=float_target)
+                                   float_target=float_target, token_weights=token_weights)
         del float_target
         for name, qlin in linears.items():
             module = self.modules[name]
@@ -225,6 +235,12 @@ class _GroupHook:
         del seen, linears
         memory.trim()
         return x
+
+
+def _norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (transformers names it `eps` or `variance_epsilon`)."""
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    return float(eps) if isinstance(eps, (int, float)) else 1e-6
 
 
 def _activations_quantized(quantized: dict[str, str]) -> bool:
