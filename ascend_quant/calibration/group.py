@@ -5,8 +5,10 @@ holds the group's input: `choose_smoothing` (SmoothQuant factors, or none) or `c
 (AWQ factors, or none; the runner folds either into the producer and the members),
 `observe_activations` (static W8A8: one range for the whole group), `fake_quantized_inputs`
 (what the members compute with, per scheme) and `quantize_linears` (an optional AWQ clip
-search, then GPTQ with the group's shared Hessian or min-max rounding). Nothing here
-changes a module.
+search, then GPTQ with the group's shared Hessian or min-max rounding). Where a post-norm
+reads the group's output (arch `LinearGroup.output_norm`), `output_norm_weights` gives each
+token's error the weight the norm gives it, in AWQ's, the clip search's and GPTQ's losses.
+Nothing here changes a module.
 """
 
 from __future__ import annotations
