@@ -320,6 +320,8 @@ def test_recipe_yaml_round_trip_and_overrides(tmp_path):
     ("scheme: w8a8-dynamic\nawq: {rotated: sometimes}\n", "awq.rotated, awq.moe and awq.duo must be true or false"),
     ("scheme: w4a8\nawq: {moe: 0}\n", "awq.rotated, awq.moe and awq.duo must be true or false"),
     ("scheme: w4a16\nawq: {duo: 1}\n", "awq.rotated, awq.moe and awq.duo must be true or false"),
+    ("scheme: w4a16\nweights: {post_norm: maybe}\n", "weights.post_norm must be true or false"),
+    ("scheme: w8a16\nweights: {refit: 1}\n", "weights.post_norm must be true or false"),
     ("- just a list\n", "mapping"),
     ("scheme: [\n", "not valid YAML"),
 ])

@@ -342,6 +342,8 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: awq.rotated, awq.moe and awq.duo must be true or false")
     if not all(isinstance(v, bool) for v in (recipe.gptq.float_target, recipe.gptq.float_target_unrotated)):
         raise RecipeError(f"{where}: gptq.float_target and gptq.float_target_unrotated must be true or false")
+    if not all(isinstance(v, bool) for v in (recipe.weights.symmetric, recipe.weights.refit, recipe.weights.post_norm)):
+        raise RecipeError(f"{where}: weights.symmetric, weights.refit and weights.post_norm must be true or false")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                for v in (recipe.gptq.hessian_tokens, recipe.gptq.float_target_tokens)):
         raise RecipeError(f"{where}: gptq.hessian_tokens and gptq.float_target_tokens must be counts >= 0 (0: all)")
