@@ -210,8 +210,8 @@ def test_output_norms_read_their_groups_output(family, tiny):
 
 
 def _check_output_norms(model, spec, ids):
-    """Each group's `output_norm` reads that group's Linear's output and nothing else (hooks in
-    a forward of the real model); a group without one feeds no norm in spec.post_norms."""
+    """Each group's `output_norm` reads that group's Linear's output (hooks in a forward of the
+    real model), and every norm in spec.post_norms is named by a group."""
     layer = spec.layers(model)[0]
     outputs, norm_inputs = {}, {}
     handles = [layer.get_submodule(g.linears[0]).register_forward_hook(
