@@ -234,7 +234,7 @@ def test_post_norm_token_weights_follow_the_norm(tiny):
     post_attention_layernorm (its gain set to 1), by finite differences in float64. Up to one
     constant, the two agree token by token, also for tokens whose output is 100x smaller."""
     from ascend_quant.calibration.group import output_norm_weights
-    from ascend_quant.calibration.runner import _norm_eps
+    from ascend_quant.arch.spec import norm_eps
     model = _float_model(tiny["gemma3"])
     spec = spec_for_model(model)
     o = next(g for g in spec.groups if g.name == "o")
@@ -244,7 +244,7 @@ def test_post_norm_token_weights_follow_the_norm(tiny):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(40, linear.in_features, generator=g)
     x[::4] *= 0.01                                   # some tokens with a tiny output
-    got = output_norm_weights(x, linear.weight, linear.bias, _norm_eps(norm))
+    got = output_norm_weights(x, linear.weight, linear.bias, norm_eps(norm))
     oracle = norm.double()
     with torch.no_grad():
         oracle.weight.zero_()                        # Gemma's (1 + w) gain: 1

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import torch
 
-from ascend_quant.arch.spec import ArchSpec, LinearGroup, UnsupportedModelError
+from ascend_quant.arch.spec import ArchSpec, LinearGroup, UnsupportedModelError, norm_eps
 
 PROBE_TOKENS = 16
 TOLERANCE = 1e-5          # relative change of the layer output a fold may cause (fp32)
@@ -164,7 +164,7 @@ def _norm_kind(module, x: torch.Tensor, y: torch.Tensor) -> tuple[str | None, st
     k = y.shape[-1]
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or w.shape[0] != k or x.shape[-1] != k:
         return None, "not a norm with a per-channel gain"
-    eps = next((v for a in ("eps", "variance_epsilon") if isinstance(v := getattr(module, a, None), float)), 1e-6)
+    eps = norm_eps(module)
     x, y, w = x.double().reshape(-1, k), y.double().reshape(-1, k), w.detach().double()
     b = b.detach().double() if isinstance(b, torch.Tensor) else torch.zeros_like(w)
     atol = 1e-4 * y.abs().max().item()

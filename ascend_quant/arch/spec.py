@@ -337,6 +337,11 @@ class ArchSpec:
         return prefix.rpartition(".")[0]
 
 
+def norm_eps(module: torch.nn.Module) -> float:
+    """A norm module's epsilon (transformers names it `eps` or `variance_epsilon`; 1e-6 if neither)."""
+    return next((v for a in ("eps", "variance_epsilon") if isinstance(v := getattr(module, a, None), float)), 1e-6)
+
+
 def _has(module, path: str) -> bool:
     try:
         module.get_submodule(path)

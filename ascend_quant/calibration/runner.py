@@ -29,6 +29,7 @@ import torch
 from ascend_quant import memory
 from ascend_quant.arch import ArchSpec, LinearExperts, LinearGroup, experts_of, lean_mlp, replace_experts, spec_for_model
 from ascend_quant.arch.attention import install_attention_hook
+from ascend_quant.arch.spec import norm_eps
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
                                             hessian_count, hessian_sample, observe_activations,
@@ -188,7 +189,7 @@ class _GroupHook:
                 all(SCHEMES[q].activation_mode != "static" for q in quantized.values()):
             member = next(iter(self.modules.values()))
             norm = self.layer.get_submodule(group.output_norm)
-            token_weights = output_norm_weights(flat, member.weight, member.bias, _norm_eps(norm))
+            token_weights = output_norm_weights(flat, member.weight, member.bias, norm_eps(norm))
         if self.awq:
             self.alpha, s = choose_awq(flat, weights, quantized, recipe, self.prefix, group_size, token_weights)
         elif self.smoothed:
@@ -235,12 +236,6 @@ class _GroupHook:
         del seen, linears
         memory.trim()
         return x
-
-
-def _norm_eps(norm: torch.nn.Module) -> float:
-    """An RMSNorm module's epsilon (transformers names it `eps` or `variance_epsilon`)."""
-    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
-    return float(eps) if isinstance(eps, (int, float)) else 1e-6
 
 
 def _activations_quantized(quantized: dict[str, str]) -> bool:
