@@ -76,6 +76,11 @@ def hessian_sample(tokens: torch.Tensor, recipe: Recipe, token_weights: torch.Te
     return sample(tokens, hessian_count(tokens.shape[-1], recipe), token_weights)
 
 
+def hessian_sample_weights(token_weights: torch.Tensor | None, k: int, recipe: Recipe) -> torch.Tensor | None:
+    """The weights of `hessian_sample`'s tokens, for a group with k in-features (None: none)."""
+    return None if token_weights is None else stride(token_weights, hessian_count(k, recipe))
+
+
 def output_norm_weights(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         eps: float, chunk: int = 4096) -> torch.Tensor:
     """float32 [t]: how much each token's output error counts where a post-norm reads the
@@ -191,7 +196,7 @@ def choose_awq(tokens: torch.Tensor, weights: dict[str, torch.Tensor], quantized
     names = list(quantized)
     rows = [weights[n].shape[0] for n in names]
     fit = hessian_sample(tokens, recipe)
-    fit_weights = None if token_weights is None else stride(token_weights, hessian_count(tokens.shape[-1], recipe))
+    fit_weights = hessian_sample_weights(token_weights, tokens.shape[-1], recipe)
 
     # A weight-only scheme's input is fit / s itself, whose Hessian is D H D with D = diag(1 / s)
     # and H the Hessian of fit: formed once for all candidates (GPTQ's Hessian over tens of

@@ -32,8 +32,8 @@ from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.arch.spec import norm_eps
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
-                                            hessian_count, hessian_sample, observe_activations,
-                                            output_norm_weights, quantize_linears, smooths, stride, weigh)
+                                            hessian_sample, hessian_sample_weights, observe_activations,
+                                            output_norm_weights, quantize_linears, smooths, weigh)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
 from ascend_quant.calibration import online_rotation
 from ascend_quant.calibration.recipe import Recipe
@@ -209,8 +209,7 @@ class _GroupHook:
         # gptq.float_target: the float model's input and this one, before the activation quantizer
         float_target = None
         if self.float_input is not None:
-            fit_weights = None if token_weights is None else stride(token_weights,
-                                                                    hessian_count(flat.shape[-1], recipe))
+            fit_weights = hessian_sample_weights(token_weights, flat.shape[-1], recipe)
             float_target = (weigh(self.float_input if s is None else self.float_input / s, fit_weights),
                             weigh(hessian_sample(flat, recipe).float().clone(), fit_weights))
             self.float_input = None
