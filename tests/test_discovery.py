@@ -61,7 +61,7 @@ def _model(model_type: str, seed: int = 0):
 # `qkv_proj: [qkv_proj]` does not name the parts), `vllm_attention` (a vLLM module name, left
 # at its default), `mlp` (only lean_mlp's memory saving reads it), `name` / `model_types` / `notes`.
 GROUP_FIELDS = ("name", "linears", "producer", "producer_kind", "sole_consumer", "producer_chunk",
-                "row_parallel", "vllm_fused")
+                "row_parallel", "vllm_fused", "output_norm")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "glm4"])
@@ -73,6 +73,7 @@ def test_discovery_reproduces_the_explicit_spec(model_type):
     assert got.kv_projections == want.kv_projections
     assert [tuple(getattr(g, f) for f in GROUP_FIELDS) for g in got.groups] == \
         [tuple(getattr(g, f) for f in GROUP_FIELDS) for g in want.groups], "\n".join(got.notes)
+    assert got.post_norms == want.post_norms
     assert ArchSpec.from_dict(json.loads(json.dumps(got.to_dict()))) == got
 
 
@@ -120,6 +121,51 @@ def test_hidden_reader_fails_the_fold_and_the_group_is_not_smoothed():
     with torch.no_grad():
         got = model(ids).logits
     assert ((got - want).norm() / want.norm()).item() < 0.1
+
+
+def test_discovered_post_norms_weigh_the_tokens(monkeypatch):
+    """A Gemma-3 layout under a model type with no spec: discovery finds the norms on o_proj's
+    and down_proj's outputs, so calibration weighs those two groups' tokens (the explicit
+    Gemma spec's `output_norm`), by the 1 / RMS the norm really divides by, and no other group."""
+    from ascend_quant.calibration import runner
+    model = _model("gemma3_text")
+    model.config.model_type = "unlisted_gemma3"        # no explicit spec: discovery runs
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    want = {}                                          # each post-norm's input, as the model computes it
+
+    def grab(i):
+        def f(m, args):
+            want.setdefault(i, args[0].reshape(-1, args[0].shape[-1]).double())
+        return f
+    layer0 = model.model.layers[0]
+    handles = [layer0.post_attention_layernorm.register_forward_pre_hook(grab("o")),
+               layer0.post_feedforward_layernorm.register_forward_pre_hook(grab("down"))]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    seen = {}
+    real = runner.quantize_linears
+
+    def spy(weights, *args, token_weights=None, prefix=None, **kwargs):
+        seen.setdefault((prefix, next(iter(weights))), token_weights)
+        return real(weights, *args, token_weights=token_weights, prefix=prefix, **kwargs)
+    monkeypatch.setattr(runner, "quantize_linears", lambda w, b, q, i, s, si, qp, rp, rec, prefix, **kw:
+                        spy(w, b, q, i, s, si, qp, rp, rec, prefix=prefix, **kw))
+    quantize_model(model, ids, recipes.preset("w4a16", 32))
+    spec = spec_for_model(model)
+    assert spec.discovered and spec.post_norms == ("post_attention_layernorm", "post_feedforward_layernorm")
+    weighted = sorted(name for (prefix, name), tw in seen.items() if tw is not None and prefix == "model.layers.0")
+    assert weighted == ["mlp.down_proj", "self_attn.o_proj"], weighted
+    for group, name in (("o", "self_attn.o_proj"), ("down", "mlp.down_proj")):
+        rms = want[group].pow(2).mean(-1).add(model.config.rms_norm_eps).sqrt()
+        expect = 1 / rms
+        expect = expect / expect.pow(2).mean().sqrt()
+        got = seen[("model.layers.0", name)].double()
+        # the runner's weights come from the group's input after the Linears before it were
+        # rounded to 4 bits, the float model's from its own: close, and far from equal weights
+        assert ((got - expect).abs() / expect).max() < 0.1
+        assert ((1 - expect).abs() / expect).max() > 0.3      # equal weights would not pass
 
 
 def test_no_decoder_layers_is_one_clear_error():

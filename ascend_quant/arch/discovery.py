@@ -15,7 +15,10 @@ hooks see, never off class or module names:
   through the attention (v -> o) is reported and not folded (the spec has no GQA channel map);
 * K / V: the Linears whose scaling changes the key / value the attention function receives;
 * row_parallel: the groups whose input stops moving with the layer input once every Linear's
-  output is held fixed (it is reached only through the layer's Linears).
+  output is held fixed (it is reached only through the layer's Linears);
+* output_norm: an RMS norm (the producer fit above) whose input is a one-Linear group's output,
+  a post-norm before the residual add (Gemma, GLM-4): calibration weighs that group's tokens by
+  it, and the spec's `post_norms` rule out an offline rotation.
 
 Every fold is checked before use: a random s = exp(N(0, 0.5)) folded with calibration's own
 `apply_smoothing` must leave the layer output within `TOLERANCE`, else the group gets no
@@ -248,7 +251,8 @@ def discover(model: torch.nn.Module) -> ArchSpec:
     report.append(f"vLLM fused names from {vllm_class}.packed_modules_mapping: {fused}" if vllm_class
                   else "vLLM fused names: vLLM has no class for this architecture: none")
     return ArchSpec(name=model_type, model_types=(model_type,), groups=tuple(groups),
-                    layers_path=path, kv_projections=kv, notes=tuple(report), discovered=True)
+                    layers_path=path, kv_projections=kv, notes=tuple(report), discovered=True,
+                    post_norms=tuple(g.output_norm for g in groups if g.output_norm is not None))
 
 
 class _Findings:
@@ -341,8 +345,32 @@ class _Findings:
             taken = sum(g.name == role or g.name.startswith(role + "_") for g in out)
             group = self._group(f"{role}_{taken + 1}" if taken else role, key, members)
             fused, on_disk = _vllm_names(members, packed)
-            out.append(replace(group, row_parallel=key in self.row_parallel, vllm_fused=fused, on_disk=on_disk))
+            out.append(replace(group, row_parallel=key in self.row_parallel, vllm_fused=fused, on_disk=on_disk,
+                               output_norm=self._output_norm(group.name, members)))
         return out
+
+    def _output_norm(self, role: str, members: list[str]) -> str | None:
+        """The RMS norm that reads a one-Linear group's output, if any (a post-norm before the
+        residual add: Gemma, GLM-4); calibration then weighs each token's error by 1 / RMS of
+        that output (`LinearGroup.output_norm`). Several Linears, or a norm that reads a view
+        (a per-head q/k norm): None."""
+        if len(members) != 1 or not self.outputs.get(members[0]):
+            return None
+        out = _key(self.outputs[members[0]][0])
+        for name in sorted(self.inputs, key=self.order.get):
+            module = self.probe.modules[name]
+            if isinstance(module, torch.nn.Linear) or not self.inputs[name] or not self.outputs.get(name) \
+                    or _key(self.inputs[name][0]) != out:
+                continue
+            kind, why = _norm_kind(module, self.inputs[name][0], self.outputs[name][0])
+            if kind in ("rmsnorm", "rmsnorm_offset"):
+                self.report.append(f"{role}: {members[0]}'s output is read by {name} ({why}): a post-norm "
+                                   "(tokens weighed by 1 / RMS of the output; no offline rotation)")
+                return name
+            if kind is not None:
+                self.report.append(f"{role}: {members[0]}'s output is read by {name} ({why}): not an RMS "
+                                   "norm, tokens weighed alike")
+        return None
 
     def _group(self, role: str, key: tuple, members: list[str]) -> LinearGroup:
         """The group with its producer (kept only if its fold checks) and sole_consumer; reported."""
