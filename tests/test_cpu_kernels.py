@@ -25,7 +25,9 @@ from conftest import rounding_boundaries
 REF = ReferenceBackend()
 pytestmark = pytest.mark.usefixtures("one_thread")
 ISAS = list(cpu.ISAS[cpu.ISAS.index(cpu_isa()):-1])        # this CPU's widest down to avx2
-TOKENS = (1, 3, 5, 9, GEMV_MAX_M, GEMV_MAX_M + 3)      # register tiles 1-8, two tiles, the GEMM path
+# register tiles 1-8, two tiles, the GEMM path (float32 activations; bfloat16 on the avx512bf16 and amx
+# builds: their panel paths from 10 tokens on, tiles of 6 with tails of 4 and 1)
+TOKENS = (1, 3, 5, 9, GEMV_MAX_M, GEMV_MAX_M + 3)
 
 
 @pytest.fixture(params=[(isa, via) for isa in ISAS for via in ("op", "ctypes")], ids="-".join)
@@ -87,6 +89,25 @@ def test_weight_only_gemv(backend, bits, n, k, group, asym, dtype):
             _close(got, REF.weight_only_matmul(x, ref, bias=b), dtype)
     x3 = torch.randn(2, 3, k, generator=g).to(dtype)              # leading dims kept
     _close(backend.weight_only_matmul(x3, prep), REF.weight_only_matmul(x3, ref), dtype)
+
+
+@pytest.mark.parametrize("bits,group,asym", [(8, 0, False), (4, 64, True)])
+def test_bf16_prefill_spans(backend, bits, group, asym):
+    """Prefill-sized bfloat16 batches, which the avx512bf16 and amx builds run on bfloat16
+    panels (the others on float32 GEMMs): k large enough for several spans of tokens, a token
+    tail (301 = 50 x 6 + 1) and a channel tail (70 = 2 x 32 + 6); two threads equal one."""
+    g = torch.Generator().manual_seed(bits + group)
+    n, k, m = 70, 2112, 301
+    w_int, scale = numerics.quantize_weight(torch.randn(n, k, generator=g) * 0.05, bits, group)
+    offset = torch.randint(-3, 4, scale.shape, generator=g).float() if asym else None
+    bias = torch.randn(n, generator=g)
+    prep = backend.prepare_weight_only(w_int, scale, offset, bits, torch.bfloat16)
+    x = (torch.randn(m, k, generator=g) * 2).to(torch.bfloat16)
+    want = REF.weight_only_matmul(x, REF.prepare_weight_only(w_int, scale, offset, bits), bias=bias)
+    one = backend.weight_only_matmul(x, prep, bias=bias)
+    _close(one, want, torch.bfloat16)
+    torch.set_num_threads(2)
+    assert torch.equal(backend.weight_only_matmul(x, prep, bias=bias), one)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

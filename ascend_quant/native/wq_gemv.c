@@ -18,8 +18,9 @@
  * order); per channel it runs in integers (wq_int8_gemv, below). Otherwise (float lanes, kept
  * for per-group weights) exact while every lane's partial sum is an integer below 2^24.
  *
- * Built three times: -mavx512bf16 (bfloat16 activations through VDPBF16PS, see below; the
- * rest as AVX-512), -mavx512f -mavx512bw (16 floats a vector) and -mavx2 -mfma (8 floats);
+ * Built four times: AMX (tiles, below), -mavx512bf16 (bfloat16 activations through VDPBF16PS:
+ * the GEMV below 10 tokens, bfloat16 panels from 10 on; the rest as AVX-512), -mavx512f
+ * -mavx512bw (16 floats a vector) and -mavx2 -mfma (8 floats);
  * without -ffast-math and with -ffp-contract=off, so only the explicit FMAs fuse.
  * OpenMP spreads the output channels over threads.
  */
@@ -279,34 +280,8 @@ static inline void store_y(void *y, int ydt, int64_t i, float v) {
     ((uint16_t *)y)[i] = (uint16_t)(r >> 16);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* AMX (the `amx` build: -mamx-tile -mamx-bf16 on top of AVX512-BF16), bfloat16 activations in
- * mode 0 from AMX_MIN_M tokens on, prefill included. TDPBF16PS multiplies a 16 x 32 bfloat16
- * tile A by a 32 x 16 tile B (stored as 16 rows of in-feature pairs: B[r][j][p] = value
- * 2r + p of column j) into 16 x 16 float32 sums C. A is 16 output channels of weights:
- * a block of 32 channels is converted to bfloat16 exactly (integers of at most 8 significant
- * bits), row by row (sequential reads), into a per-thread panel that every tile of tokens
- * reuses. B is 16 tokens of activations, transposed into pair rows once per call (zeros in the
- * padding of groups and tokens). The C tiles ([channel][token]) hold the float32 sums over one
- * group; per-group scales multiply them as the vector path's lanes (mode 0 above); they are
- * transposed to [token][channel] for the offset, bias and store, as there. Products of two
- * bfloat16 values are exact in float32; only the order of the float32 sums differs from the
- * reference (AMX also treats denormal inputs and sums as zero). */
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#define AMX_MIN_M 4
-
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
-
-/* Linux gives a process the AMX register state only when asked (ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA); without it the first tile instruction faults. */
-static int amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return state;
-}
-
+#if HAVE_BF16
+/* Helpers of the two bfloat16 panel paths below (AVX-512 with BF16; AMX tiles). */
 static inline __m512i bf16_row32_8(const int8_t *p) {     /* 32 int8 values -> 32 bfloat16 */
     __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
@@ -345,15 +320,6 @@ static inline void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = o[i];
 }
 
-/* This thread's tile registers: all eight 16 rows x 64 bytes (palette 1). */
-static inline void load_tiles_16x64(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-    _tile_loadconfig(&cfg);
-}
-
 /* Row `tok` of y, channels j0 .. j0 + nj (nj <= 32; v[0] holds 0-15, v[1] 16-31, mask[h] the
  * valid ones) in y's dtype (0 float32, 1 bfloat16, rounded to nearest even). Whole cache lines
  * (32 bfloat16 or 16 float32 channels, where y is aligned) go around the cache when `stream`
@@ -373,6 +339,190 @@ static inline void store_row32(void *y, int ydt, int64_t ldy, int64_t tok, int64
         if (stream && nj == 32 && ((uintptr_t)dst & 63) == 0) _mm512_stream_si512((void *)dst, packed);
         else _mm512_mask_storeu_epi16(dst, (__mmask32)mask[0] | (__mmask32)mask[1] << 16, packed);
     }
+}
+
+/* Larger batches (prefill) with bfloat16 activations on AVX512-BF16 without AMX tiles (mode 0,
+ * from PANEL_MIN_M tokens on). A block of 32 output channels is converted once per span of
+ * tokens into a panel of bfloat16 pairs, [in-feature pair][32 channels] (each int8 / int4 value
+ * is exact in bfloat16), and VDPBF16PS multiplies one pair of a token, broadcast to every lane,
+ * by the panel's 16 channels of that pair: the lanes are output channels, so the per-group
+ * scales multiply whole vectors and no lane sums are added across (the GEMV above sums lanes
+ * per row). A register tile is PANEL_MT tokens x 32 channels. Products of two bfloat16 values
+ * are exact in float32; only the order of the float32 sums differs from the reference. */
+#define PANEL_MT 6
+#define PANEL_MIN_M 10
+
+static inline __attribute__((always_inline)) void panel_tile(
+        const int MT, const uint32_t *panel, const uint32_t *xp, int64_t ldp, int64_t groups, int64_t gpp,
+        const float *st, int per_group, __m512 out[PANEL_MT][2]) {
+    __m512 tot[PANEL_MT][2], acc[PANEL_MT][2];
+    for (int t = 0; t < MT; t++) tot[t][0] = tot[t][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+        for (int64_t p = g * gpp; p < (g + 1) * gpp; p++) {
+            const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(panel + p * 32));
+            const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(panel + p * 32 + 16));
+            for (int t = 0; t < MT; t++) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[t * ldp + p]);
+                acc[t][0] = _mm512_dpbf16_ps(acc[t][0], w0, xb);
+                acc[t][1] = _mm512_dpbf16_ps(acc[t][1], w1, xb);
+            }
+        }
+        if (per_group) {
+            const __m512 s0 = _mm512_load_ps(st + g * 32), s1 = _mm512_load_ps(st + g * 32 + 16);
+            for (int t = 0; t < MT; t++) {
+                tot[t][0] = _mm512_fmadd_ps(acc[t][0], s0, tot[t][0]);
+                tot[t][1] = _mm512_fmadd_ps(acc[t][1], s1, tot[t][1]);
+            }
+        } else {
+            for (int t = 0; t < MT; t++) { tot[t][0] = acc[t][0]; tot[t][1] = acc[t][1]; }
+        }
+    }
+    for (int t = 0; t < MT; t++) { out[t][0] = tot[t][0]; out[t][1] = tot[t][1]; }
+}
+
+#define PANEL_TILE(M) panel_tile(M, panel, xp + t0 * ldp, ldp, groups, gpp, st, per_group, out)
+
+static void bf16_panel_gemm(const uint16_t *x, int64_t m, int64_t ldx, const void *w, int bits, int64_t n,
+                            int64_t groups, int64_t gsz, int64_t gp, const float *scale, const float *offset,
+                            const float *bias, void *y, int ydt, int64_t ldy, int nthreads, int *status) {
+    const int64_t kp = groups * gp, chunks = kp / 32, row_bytes = bits == 4 ? kp / 2 : kp;
+    const int64_t ldp = kp / 2, gpp = gp / 2;          /* pairs per token, per group */
+    /* the activations, [m][kp] bfloat16 with zeros in each group's padding (the padded weights
+     * are zeros too, and 0 x garbage could be NaN) */
+    uint32_t *xp = aligned_alloc(64, (size_t)(m * kp * 2 + 64) / 64 * 64);
+    float *xsum = offset ? calloc((size_t)(m * groups), sizeof(float)) : NULL;
+    if (!xp || (offset && !xsum)) { free(xp); free(xsum); *status = 1; return; }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < m; t++) {
+        uint16_t *dst = (uint16_t *)xp + t * kp;
+        for (int64_t g = 0; g < groups; g++) {
+            memcpy(dst + g * gp, x + t * ldx + g * gsz, (size_t)(gsz * 2));
+            memset(dst + g * gp + gsz, 0, (size_t)((gp - gsz) * 2));
+            if (xsum) {
+                float s = 0.f;
+                for (int64_t i = 0; i < gsz; i++) s += load_x(x, 1, t * ldx + g * gsz + i);
+                xsum[t * groups + g] = s;
+            }
+        }
+    }
+    const int per_group = groups > 1;
+    const int64_t blocks = (n + 31) / 32;
+    const int stream = m * n * (ydt == 0 ? 4 : 2) >= (4 << 20);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t *panel = aligned_alloc(64, (size_t)(kp * 64));                   /* [kp / 2][32 ch] pairs */
+        float *st = aligned_alloc(64, (size_t)(groups * 32 * 2 * sizeof(float)));  /* scale, offset * scale: [g][32 ch] */
+        const __m256i tab = _mm256_loadu_si256((const __m256i *)BF16_INT4);
+        if (!panel || !st) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            float *ost = st + groups * 32;
+            /* tokens in spans of about 512 KiB of activations, which stay in a core's cache while
+             * every block of channels passes over them (the panels are converted once per span) */
+            const int64_t fit = 512 * 1024 / (kp * 2) / PANEL_MT * PANEL_MT, span = fit > 48 ? fit : 48;
+            for (int64_t m0 = 0; m0 < m; m0 += span) {
+                const int64_t m1 = m0 + span < m ? m0 + span : m;
+#pragma omp for schedule(static)
+                for (int64_t b = 0; b < blocks; b++) {
+                    const int64_t j0 = b * 32, nj = n - j0 < 32 ? n - j0 : 32;
+                    for (int h = 0; h < 2; h++)
+                        for (int64_t c = 0; c < chunks; c++) {
+                            __m512i r[16];
+                            for (int i = 0; i < 16; i++) {
+                                const int64_t j = j0 + h * 16 + i;
+                                const uint8_t *src = (const uint8_t *)w + j * row_bytes;
+                                r[i] = j >= n ? _mm512_setzero_si512()
+                                     : bits == 4 ? bf16_row32_4(src + c * 16, tab) : bf16_row32_8((const int8_t *)src + c * 32);
+                            }
+                            transpose16(r);        /* r[q]: pair q of the chunk, 16 channels */
+                            for (int q = 0; q < 16; q++)
+                                _mm512_store_si512((void *)(panel + (c * 16 + q) * 32 + h * 16), r[q]);
+                        }
+                    for (int64_t g = 0; g < groups; g++)
+                        for (int64_t jj = 0; jj < 32; jj++) {
+                            const float sv = jj < nj ? scale[(j0 + jj) * groups + g] : 0.f;
+                            st[g * 32 + jj] = sv;
+                            ost[g * 32 + jj] = jj < nj && offset ? offset[(j0 + jj) * groups + g] * sv : 0.f;
+                        }
+                    const __mmask16 mask[2] = {(__mmask16)(nj >= 16 ? 0xFFFF : (1u << nj) - 1),
+                                               (__mmask16)(nj <= 16 ? 0 : nj >= 32 ? 0xFFFF : (1u << (nj - 16)) - 1)};
+                    for (int64_t t0 = m0; t0 < m1; t0 += PANEL_MT) {
+                        const int mt = m1 - t0 < PANEL_MT ? (int)(m1 - t0) : PANEL_MT;
+                        __m512 out[PANEL_MT][2];
+                        switch (mt) {
+                            case 1: PANEL_TILE(1); break; case 2: PANEL_TILE(2); break; case 3: PANEL_TILE(3); break;
+                            case 4: PANEL_TILE(4); break; case 5: PANEL_TILE(5); break; default: PANEL_TILE(6);
+                        }
+                        for (int t = 0; t < mt; t++) {
+                            const int64_t tok = t0 + t;
+                            __m512 v[2];
+                            for (int h = 0; h < 2; h++) {
+                                v[h] = out[t][h];
+                                if (!per_group) v[h] = _mm512_mul_ps(v[h], _mm512_load_ps(st + h * 16));
+                                if (offset) {
+                                    __m512 c = _mm512_setzero_ps();
+                                    for (int64_t g = 0; g < groups; g++)
+                                        c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_load_ps(ost + g * 32 + h * 16),
+                                                                           _mm512_set1_ps(xsum[tok * groups + g])));
+                                    v[h] = _mm512_sub_ps(v[h], c);
+                                }
+                                if (bias) v[h] = _mm512_add_ps(v[h], _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16));
+                            }
+                            store_row32(y, ydt, ldy, tok, j0, nj, mask, v, stream);
+                        }
+                    }
+                }
+            }
+        }
+        free(panel);
+        free(st);
+        if (stream) _mm_sfence();
+    }
+    free(xp);
+    free(xsum);
+    if (failed) *status = 1;
+}
+#undef PANEL_TILE
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX (the `amx` build: -mamx-tile -mamx-bf16 on top of AVX512-BF16), bfloat16 activations in
+ * mode 0 from AMX_MIN_M tokens on, prefill included. TDPBF16PS multiplies a 16 x 32 bfloat16
+ * tile A by a 32 x 16 tile B (stored as 16 rows of in-feature pairs: B[r][j][p] = value
+ * 2r + p of column j) into 16 x 16 float32 sums C. A is 16 output channels of weights:
+ * a block of 32 channels is converted to bfloat16 exactly (integers of at most 8 significant
+ * bits), row by row (sequential reads), into a per-thread panel that every tile of tokens
+ * reuses. B is 16 tokens of activations, transposed into pair rows once per call (zeros in the
+ * padding of groups and tokens). The C tiles ([channel][token]) hold the float32 sums over one
+ * group; per-group scales multiply them as the vector path's lanes (mode 0 above); they are
+ * transposed to [token][channel] for the offset, bias and store, as there. Products of two
+ * bfloat16 values are exact in float32; only the order of the float32 sums differs from the
+ * reference (AMX also treats denormal inputs and sums as zero). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_MIN_M 4
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+/* Linux gives a process the AMX register state only when asked (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); without it the first tile instruction faults. */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return state;
+}
+
+/* This thread's tile registers: all eight 16 rows x 64 bytes (palette 1). */
+static inline void load_tiles_16x64(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
 }
 
 static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, int bits, int64_t n,
@@ -550,6 +700,12 @@ void wq_gemv(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx,
 #if HAVE_AMX
     if (xdt == 1 && mode == 0 && m >= AMX_MIN_M && ldx % 2 == 0 && amx_permitted()) {
         amx_gemv(x, m, ldx, w, bits, n, groups, gsz, gp, scale, offset, bias, y, ydt, ldy, nthreads, status);
+        return;
+    }
+#endif
+#if HAVE_BF16
+    if (xdt == 1 && mode == 0 && m >= PANEL_MIN_M) {
+        bf16_panel_gemm(x, m, ldx, w, bits, n, groups, gsz, gp, scale, offset, bias, y, ydt, ldy, nthreads, status);
         return;
     }
 #endif

@@ -37,8 +37,10 @@ prefill included: the weights converted per block of 32 output
 channels into a panel every tile of tokens reuses), AVX-512-BF16 (bfloat16 activations through
 VDPBF16PS), AVX-512 or AVX2 build is chosen from /proc/cpuinfo; `ASCEND_QUANT_CPU_ISA=avx2`
 (or `amx`, `avx512bf16`, `avx512`, `off`) forces one, so each narrower path is tested on wider
-machines too (`off`: the torch path). Larger batches (prefill) without AMX run float32 GEMMs
-over k-chunks converted from the same weights (or oneDNN, see above).
+machines too (`off`: the torch path). The AVX512-BF16 build also serves bfloat16 prefill, on
+panels of bfloat16 pairs converted once per block of 32 channels and span of tokens. Other
+larger batches run float32 GEMMs over k-chunks converted from the same weights (or oneDNN,
+see above).
 
 Weight-only Linears reach the GEMV through a C++ torch operator, `ascend_quant_cpu::wq_linear`
 (`native/wq_op.cpp`, built on first use against the running torch), so vLLM's compiled graph
@@ -84,8 +86,9 @@ ISAS = ("amx", "avx512bf16", "avx512", "avx2", "off")
 # thread, 576x3072: at 64 tokens the GEMV took 1.8 ms (AVX512-BF16) / 2.8 ms (AVX-512), the
 # float32 GEMMs over dequantized chunks 6.8 ms
 GEMV_MAX_M = 64
-# the amx build's tile path (bfloat16 activations, native/wq_gemv.c) serves every token count,
-# prefill included: it never hands a batch to the float32 GEMMs
+# the amx build's tile path and the avx512bf16 build's panel path (bfloat16 activations,
+# native/wq_gemv.c) serve every token count, prefill included: they never hand a batch to the
+# float32 GEMMs
 AMX_MAX_M = 1 << 62
 MOE_ENV = "ASCEND_QUANT_CPU_MOE"      # "grouped" (default with AVX-512 VNNI) or "loop"
 # "0": weight-only Linears call the GEMV through ctypes from Python instead of through the C++
@@ -841,9 +844,9 @@ class CpuBackend(ReferenceBackend):
 
     def gemv_max_m(self, dtype: torch.dtype) -> int:
         """Tokens up to which a weight-only Linear runs the GEMV kernel (beyond: float32 GEMMs
-        over dequantized k-chunks): every count on the amx build with bfloat16 activations,
-        else GEMV_MAX_M."""
-        return AMX_MAX_M if self.isa == "amx" and dtype == torch.bfloat16 else GEMV_MAX_M
+        over dequantized k-chunks): every count on the amx and avx512bf16 builds with bfloat16
+        activations (their bfloat16 panel paths), else GEMV_MAX_M."""
+        return AMX_MAX_M if self.isa in ("amx", "avx512bf16") and dtype == torch.bfloat16 else GEMV_MAX_M
 
     def prepare_weight_only(self, weight, scale, offset, bits, dtype=torch.float32):
         if _weight_mode() == "float32":
