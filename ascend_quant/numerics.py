@@ -258,13 +258,21 @@ def quantize_activation_static(x: torch.Tensor, input_scale: torch.Tensor,
     With `bf16_params` the reciprocal scale and the offset are rounded to bf16 first, as
     vllm-ascend does on load; the multiply-add itself runs in float32.
     """
+    inv, offset = static_activation_params(input_scale, input_offset, bf16_params)
+    q = torch.round(x.float() * inv + offset)
+    return torch.clamp(q, INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def static_activation_params(input_scale: torch.Tensor, input_offset: torch.Tensor, bf16_params: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 multiplier and offset of `quantize_activation_static`: 1/s and o, each rounded
+    to bf16 first with `bf16_params` (as vllm-ascend rounds them on load)."""
     inv = 1.0 / input_scale.float()
     offset = input_offset.float()
     if bf16_params:
         inv = inv.to(torch.bfloat16).float()
         offset = offset.to(torch.bfloat16).float()
-    q = torch.round(x.float() * inv + offset)
-    return torch.clamp(q, INT8_MIN, INT8_MAX).to(torch.int8)
+    return inv, offset
 
 
 def quantize_activation_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

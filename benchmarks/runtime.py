@@ -131,7 +131,7 @@ def bench_shape(k: int, n: int, m: int, backend: CpuBackend) -> dict[str, float]
 
 # ----------------------------------------------------------------------- vLLM end to end
 
-E2E_SCHEMES = ("w8a8-dynamic", "w8a16", "w4a16", "w4a8")
+E2E_SCHEMES = ("w8a8-dynamic", "w8a8", "w8a16", "w4a16", "w4a8")
 # more engines: name -> (scheme, calibrate flags), for what a preset's option costs at inference
 E2E_VARIANTS = {"w4a8 (online rotation)": ("w4a8", ["--online-rotation"]),
                 "w4a8 (group 64)": ("w4a8", ["--group-size", "64"])}

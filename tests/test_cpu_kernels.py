@@ -20,7 +20,7 @@ from ascend_quant.runtime.kernels import cpu
 from ascend_quant.runtime.kernels.cpu import GEMV_MAX_M, ISA_ENV, CpuBackend, cpu_isa
 from ascend_quant.runtime.kernels.reference import ReferenceBackend
 from ascend_quant.schemes import PreparedLinear
-from conftest import rounding_boundaries
+from conftest import int8_oracle, rounding_boundaries
 
 REF = ReferenceBackend()
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,6 +108,41 @@ def test_bf16_prefill_spans(backend, bits, group, asym):
     _close(one, want, torch.bfloat16)
     torch.set_num_threads(2)
     assert torch.equal(backend.weight_only_matmul(x, prep, bias=bias), one)
+
+
+def test_static_quantizer_is_numerics_bit_for_bit(backend):
+    """Static W8A8's activation quantizer in C on each build (`wq_quant_static`): numerics'
+    formula (1/s and the offset rounded to bf16, the product and the sum each rounded to float32,
+    half to even, clamped to [-128, 127]) on inputs that land on every .5 boundary and one ulp
+    either side, past both ends of the range, float32 and bfloat16, rows of 841 (a tail)."""
+    s, o = torch.tensor([0.0371]), torch.tensor([-3.0])
+    inv, off = numerics.static_activation_params(s, o)
+    mid = ((torch.arange(-140, 140).float() + 0.5) - off) / inv
+    x = torch.cat([mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1), torch.tensor([0.0])])
+    x = torch.cat([x, x.flip(0) * 0.7]).reshape(2, -1)
+    for xs in (x, x.to(torch.bfloat16), x.reshape(2, 1, -1)):
+        got = backend.quantize_static(xs, s, o)
+        assert got.dtype == torch.int8 and got.shape == xs.shape
+        assert torch.equal(got, numerics.quantize_activation_static(xs, s, o))
+
+
+@pytest.mark.parametrize("terms", ["qbias", "qbias+bias", "pertoken+bias", "none"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_int8_epilogue_is_the_oracle_bit_for_bit(backend, terms, out_dtype):
+    """The int8 GEMM's float32 epilogue in C on each build (`wq_int8_epilogue`, after the exact
+    int32 sums of the float32 k-chunks here): ((acc + quant_bias) * scale) * s_t + bias in that
+    order, cast last, equal to the written-out oracle; n = 37 (a tail on every vector width)."""
+    g = torch.Generator().manual_seed(len(terms))
+    n, k, m = 37, 300, 70
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    x_q = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 1e-3
+    args = dict(qbias=torch.randint(-(1 << 20), 1 << 20, (n,), generator=g, dtype=torch.int32) if "qbias" in terms else None,
+                s_t=torch.rand(m, 1, generator=g) if "pertoken" in terms else None,
+                bias=torch.randn(n, generator=g) if "bias" in terms else None)
+    got = backend.int8_matmul(x_q, backend.prepare_int8(w, scale), quant_bias=args["qbias"],
+                              pertoken_scale=args["s_t"], bias=args["bias"], out_dtype=out_dtype)
+    assert torch.equal(got, int8_oracle(x_q, w, scale, out_dtype=out_dtype, **args))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -96,6 +96,26 @@ def test_int8_matmul(b, mode):
     assert (got - ref_float).abs().max() < 0.05 * ref_float.abs().max()
 
 
+@pytest.mark.skipif(not (cpu_has_vnni() and vllm_cpu_ops() is not None), reason="the oneDNN GEMM needs VNNI")
+@pytest.mark.parametrize("m,k", [(1, 576), (9, 1536), (300, 2100)])
+def test_static_w8a8_on_the_onednn_gemm_is_exact(m, k):
+    """Static W8A8 (quant_bias in the int32 sums) on a VNNI CPU's oneDNN GEMM, which its oneDNN
+    handler cannot serve: full-range int8 operands, k past the reference's 1024-chunks; bit for
+    bit the reference's result in float32 and bfloat16."""
+    b = CpuBackend(gemm="onednn")
+    g = torch.Generator().manual_seed(m)
+    n = 70
+    w_q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    x_q = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+    w_q[0], x_q[0] = -128, -128
+    scale = torch.rand(n, generator=g) * 1e-4
+    qb = torch.randint(-(1 << 20), 1 << 20, (n,), generator=g, dtype=torch.int32)
+    prep, ref = b.prepare_int8(w_q, scale), REF.prepare_int8(w_q, scale)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = b.int8_matmul(x_q, prep, quant_bias=qb, out_dtype=out_dtype)
+        assert torch.equal(got, REF.int8_matmul(x_q, ref, quant_bias=qb, out_dtype=out_dtype))
+
+
 @pytest.mark.parametrize("b", BACKENDS)
 @pytest.mark.parametrize("bits,group", [(8, 0), (8, 32), (4, 32), (4, 0)])
 @pytest.mark.parametrize("asym", [False, True])

@@ -149,7 +149,9 @@ _WQ_SIG = {"wq_gemv": [_p, _i32, _i64, _i64, _i64, _p, _i32, _i64, _i64, _i64, _
            "wq_int8_linear": [_p, _i32, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _p, _p, _i32, _i64, _i32, _p],
            "wq_int8_gemv": [_p, _i32, _i64, _i64, _i64, _p, _p, _i32, _i32, _i64, _i64, _i64, _p, _p, _p, _p, _i32,
                             _i64, _i32, _p],
-           "wq_hadamard": [_p, _i32, _i64, _i64, _i64, _p, _p, _i64, _f32, _p, _i32, _i64, _i32, _p]}
+           "wq_hadamard": [_p, _i32, _i64, _i64, _i64, _p, _p, _i64, _f32, _p, _i32, _i64, _i32, _p],
+           "wq_quant_static": [_p, _i32, _i64, _i64, _i64, _f32, _f32, _p, _i32],
+           "wq_int8_epilogue": [_p, _i64, _i64, _p, _p, _p, _p, _p, _i32, _i32]}
 _WQ_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"]
 WQ_GEMV = {

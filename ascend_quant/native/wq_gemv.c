@@ -1034,6 +1034,80 @@ static inline void store_row_v(void *y, int ydt, int64_t i, vf v) {
 }
 #endif
 
+/* Static per-tensor int8 quantization (W8A8), as numerics.quantize_activation_static defines it
+ * with its parameters already rounded (numerics.static_activation_params): q = clamp(round_half_even(
+ * x * inv + offset), -128, 127), the product and the sum each rounded to float32 (no FMA: this
+ * file is built with -ffp-contract=off). x [m, k] with row stride ldx, float32 or bfloat16; q:
+ * [m, k] contiguous. */
+void wq_quant_static(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, float inv, float offset, int8_t *q,
+                     int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k >= (1 << 15))
+    for (int64_t t = 0; t < m; t++) {
+        const char *row = (const char *)x + t * ldx * (xdt == 1 ? 2 : 4);
+        int8_t *qt = q + t * k;
+        int64_t i = 0;
+        const vf vi = vset(inv), vo = vset(offset), lo = vset(-128.0f), hi = vset(127.0f);
+        for (; i + VW <= k; i += VW) {
+            vf v = vadd(vmul(load_xv(row, xdt, i), vi), vo);
+#if VW == 16
+            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+            _mm_storeu_si128((__m128i *)(qt + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+#else
+            v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+            __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
+                                        _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
+            _mm_storel_epi64((__m128i *)(qt + i), _mm_packs_epi16(w, w));
+#endif
+        }
+        for (; i < k; i++) {
+            float v = load_x(row, xdt, i) * inv;
+            v = __builtin_rintf(v + offset);
+            qt[i] = (int8_t)(v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v));
+        }
+    }
+}
+
+/* The float32 epilogue of an int8 GEMM in one pass, as reference.int8_epilogue computes it:
+ * y = (float(acc + qbias[j]) * scale[j]) * pertoken[t] + bias[j], then y's dtype (float32, or
+ * bfloat16 rounded to nearest even). acc: int32 [m, n] contiguous (the int32 sum wraps as
+ * torch's does); qbias, pertoken, bias may be NULL; y: [m, n] contiguous. One pass instead of
+ * torch's four, each of which allocates an [m, n] result (page faults on every prefill call). */
+static inline vf acc_float(const int32_t *a, const int32_t *qb) {
+#if VW == 16
+    __m512i v = _mm512_loadu_si512((const void *)a);
+    if (qb) v = _mm512_add_epi32(v, _mm512_loadu_si512((const void *)qb));
+    return _mm512_cvtepi32_ps(v);
+#else
+    __m256i v = _mm256_loadu_si256((const __m256i *)a);
+    if (qb) v = _mm256_add_epi32(v, _mm256_loadu_si256((const __m256i *)qb));
+    return _mm256_cvtepi32_ps(v);
+#endif
+}
+
+void wq_int8_epilogue(const int32_t *acc, int64_t m, int64_t n, const int32_t *qbias, const float *scale,
+                      const float *pertoken, const float *bias, void *y, int ydt, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (m * n >= (1 << 15))
+    for (int64_t t = 0; t < m; t++) {
+        const int32_t *a = acc + t * n;
+        int64_t j = 0;
+        for (; j + VW <= n; j += VW) {
+            vf v = vmul(acc_float(a + j, qbias ? qbias + j : NULL), vld(scale + j));
+            if (pertoken) v = vmul(v, vset(pertoken[t]));
+            if (bias) v = vadd(v, vld(bias + j));
+            store_row_v(y, ydt, t * n + j, v);
+        }
+        for (; j < n; j++) {
+            int32_t q = qbias ? (int32_t)((uint32_t)a[j] + (uint32_t)qbias[j]) : a[j];
+            float v = (float)q * scale[j];
+            if (pertoken) v = v * pertoken[t];
+            if (bias) v = v + bias[j];
+            store_y(y, ydt, t * n + j, v);
+        }
+    }
+}
+
 #define HD_CMAX 64      /* cores up to this order take the vector product below */
 
 /* one butterfly pass of stride h (stages h and, with `two`, 2h) over b[0 .. k) */

@@ -602,6 +602,7 @@ class CpuBackend(ReferenceBackend):
             gemm = "f32"
         self.gemm = gemm
         self.use_onednn = gemm == "onednn"
+        self._static_params: dict[tuple[float, float], tuple[float, float]] = {}   # quantize_static's
 
     def can_implement(self, op: str, **cfg) -> tuple[bool, str]:
         device = cfg.get("device", "cpu")
@@ -634,6 +635,44 @@ class CpuBackend(ReferenceBackend):
             return out, scale
         return out.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
 
+    def quantize_static(self, x, input_scale, input_offset):
+        """numerics.quantize_activation_static bit for bit (its bf16-rounded parameters), in one C
+        pass (`wq_quant_static`) instead of torch's five."""
+        if (torch.compiler.is_compiling() or self.gemv_lib is None or x.dtype not in (torch.float32, torch.bfloat16)
+                or input_scale.numel() != 1 or input_offset.numel() != 1):
+            return super().quantize_static(x, input_scale, input_offset)
+        key = (input_scale.item(), input_offset.item())
+        params = self._static_params.get(key)
+        if params is None:      # numerics' torch ops cost ~13 us a call: once per (scale, offset)
+            inv, offset = numerics.static_activation_params(input_scale, input_offset, bf16_params=True)
+            params = self._static_params[key] = (inv.item(), offset.item())
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m, k = x2.shape
+        out = torch.empty((m, k), dtype=torch.int8)
+        self.gemv_lib.wq_quant_static(x2.data_ptr(), _XDT[x2.dtype], m, k, x2.stride(0), *params, out.data_ptr(),
+                                      torch.get_num_threads())
+        return out if x.dim() == 2 else out.reshape(x.shape)
+
+    def _int8_epilogue(self, acc, scale, quant_bias, pertoken_scale, bias, out_dtype):
+        """reference.int8_epilogue bit for bit, in one C pass (`wq_int8_epilogue`) where it runs."""
+        if self.gemv_lib is None or out_dtype not in _YDT or acc.dim() != 2 or not acc.is_contiguous():
+            return int8_epilogue(acc, scale, quant_bias, pertoken_scale, bias, out_dtype)
+        m, n = acc.shape
+        if scale.numel() != n or any(t is not None and t.numel() != want for t, want in
+                                     ((quant_bias, n), (bias, n), (pertoken_scale, m))):
+            return int8_epilogue(acc, scale, quant_bias, pertoken_scale, bias, out_dtype)     # broadcasts
+        def f(t, dt):       # a flat view of the right dtype (no calls where it already is: ~1 us each)
+            return None if t is None else t if t.dtype == dt and t.is_contiguous() else t.to(dt).contiguous()
+        qb, pt, b, sc = f(quant_bias, torch.int32), f(pertoken_scale, torch.float32), f(bias, torch.float32), \
+            f(scale, torch.float32)
+        y = torch.empty((m, n), dtype=out_dtype)
+        p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.gemv_lib.wq_int8_epilogue(acc.data_ptr(), m, n, p(qb), sc.data_ptr(), p(pt), p(b), y.data_ptr(),
+                                       _YDT[out_dtype], torch.get_num_threads())
+        return y
+
     def quantize_glu_dynamic(self, h):
         """quantize_dynamic(h[:, :k] * h[:, k:]) for h [m, 2k] (a gated MLP's [SiLU(gate), up]),
         bit for bit, in one C pass (`wq_glu_quant_dynamic`) that never writes the product."""
@@ -661,8 +700,9 @@ class CpuBackend(ReferenceBackend):
             gemv = GemvWeight.build(weight, scale.reshape(-1, 1), None, bits)
             if _gemv_exact(gemv):
                 return CpuInt8Weight(None, scale, None, weight.shape[0], gemv=gemv)
-        # _int_mm is fastest with the [n, k] weight seen as a column-major [k, n]
-        if self.gemm == "int_mm":
+        # _int_mm is fastest with the [n, k] weight seen as a column-major [k, n]; so is the
+        # oneDNN GEMM's own copy, whose static-activation Linears (quant_bias) take _int_mm
+        if self.gemm == "int_mm" or (self.use_onednn and bits == 8 and _weight_mode() != "float32"):
             return CpuInt8Weight(weight.contiguous().t(), scale, handler, weight.shape[0])
         if _weight_mode() == "float32":
             return CpuInt8Weight(weight.float().t().contiguous(), scale, handler, weight.shape[0])
@@ -741,7 +781,10 @@ class CpuBackend(ReferenceBackend):
             if dt != out_dtype:
                 out = out.to(out_dtype)
             return out if x_q.dim() == 2 else out.reshape(*lead, -1)
-        if self.gemm == "int_mm":
+        if self.gemm == "int_mm" or (self.use_onednn and w.weight_t is not None and w.weight_t.dtype == torch.int8
+                                     and not w.packed):
+            # int32 sums, exact (on VNNI CPUs oneDNN's s8s8 kernel); for the oneDNN GEMM, the
+            # Linears its handler cannot take: static W8A8, whose quant_bias joins the int32 sums
             acc = torch._int_mm(x2, w.weight_t)
         elif w.weight_t is not None and w.weight_t.dtype == torch.float32:
             acc = exact_int8_matmul(x2, w_f32_t=w.weight_t)
@@ -752,7 +795,7 @@ class CpuBackend(ReferenceBackend):
                 end = min(start + EXACT_F32_CHUNK, x.shape[-1])
                 part = (x[:, start:end] @ w.chunk(start, end)).to(torch.int32)
                 acc = part if acc is None else acc + part
-        return int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, w.n)
+        return self._int8_epilogue(acc, w.scale, quant_bias, pertoken_scale, bias, out_dtype).reshape(*lead, w.n)
 
     def int8_matmul_dynamic(self, x, w, *, bias=None, out_dtype=None):
         """int8_matmul(*quantize_dynamic(x)): on the "amx" GEMM one operator call that quantizes
