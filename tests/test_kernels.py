@@ -346,6 +346,39 @@ def test_traced_int8_linear_equals_the_eager_call(scheme, out_dtype, with_bias, 
         torch.testing.assert_close(eager, ref(x, bias), rtol=1e-5, atol=1e-3)    # oneDNN's bias epilogue rounds its own way
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gemm", [g for g in TRACED_GEMMS if g != "amx"])
+def test_traced_static_w8a8_equals_the_eager_call(out_dtype, gemm):
+    """Static W8A8 on the oneDNN GEMM (VNNI CPUs) and the integer GEMV (every CPU) is traceable:
+    its quantizer is the `quant_static` operator, so the compiled graph rounds x * (1/s) + o as
+    the eager call does (numerics' torch ops, traced, became one FMA in inductor, which moved
+    values on a .5 boundary: a different greedy token once). Inputs on every boundary of the
+    quantizer and one ulp either side; 1 to 70 tokens (the GEMV's prefill side too) in one
+    dynamic graph; compiled = eager = the reference, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    s_x, o_x = torch.tensor([0.0371]), torch.tensor([-3.0])
+    inv, off = numerics.static_activation_params(s_x, o_x)
+    mid = ((torch.arange(-140, 140).float() + 0.5) - off) / inv
+    base = torch.cat([mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)])
+    n, k = 40, base.numel()
+    w_q, s_w = numerics.quantize_weight(torch.randn(n, k, generator=g) * 0.05, 8)
+    deq = numerics.deq_scale(s_x, s_w)
+    bias = torch.randn(n, generator=g)
+    t = dict(weight=w_q, input_scale=s_x, input_offset=o_x, deq_scale=numerics.encode_deq_scale(deq, torch.float16),
+             quant_bias=numerics.quant_bias(bias, deq, o_x, w_q))
+    b = CpuBackend(gemm=gemm)
+    pl = PreparedLinear.build("W8A8", t, backend=b, dtype=out_dtype)
+    ref = PreparedLinear.build("W8A8", t, backend=REF, dtype=out_dtype)
+    assert b.traceable(pl)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: pl(x, None), fullgraph=True, dynamic=True)
+    for m in (1, 7, 70):
+        x = torch.stack([base.roll(7 * i) for i in range(m)]).to(out_dtype)
+        eager = pl(x, None)
+        assert torch.equal(compiled(x), eager), (gemm, out_dtype, m)
+        assert torch.equal(eager, ref(x, None)), (gemm, out_dtype, m)
+
+
 @pytest.mark.parametrize("scheme,bits,group,asym", [("W8A16", 8, 0, False), ("W4A16", 4, 64, True),
                                                     ("W4A8_DYNAMIC", 4, 64, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

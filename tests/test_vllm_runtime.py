@@ -217,23 +217,29 @@ def test_compiled_mode_traces_the_linears_it_can(compiled_generations):
     (`ascend_quant_cpu::int8_gemv_linear`, the others); and everywhere the Linears whose weights are in
     the GEMV layout, through the C++ operator `ascend_quant_cpu::wq_linear`: mixed_a's W8A16 and
     mixed_b's W4A16; mixed_b's two-stage W4A8 runs as int8 per channel, like the dynamic ones.
-    Static W8A8, and the weight-only ones with the operator switched off (OP_ENV=0), stay opaque ops."""
+    Static W8A8 (mixed_a's attention, mixed_b's MLP) is traced through its `quant_static` operator
+    on the integer GEMV and the oneDNN GEMM, and stays an opaque op on AMX-INT8 and the float32
+    GEMMs; so do the weight-only ones with the operators switched off (OP_ENV=0)."""
+    from ascend_quant.runtime.kernels.cpu import default_gemm
+
     dynamic = [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
     w8a16 = [f"model.layers.1.self_attn.{p}" for p in ("o_proj", "qkv_proj")]
-    assert compiled_generations["mixed_a"][1] == sorted(w8a16 + dynamic)
+    static_a = [f"model.layers.0.self_attn.{p}" for p in ("o_proj", "qkv_proj")]
+    static_b = [f"model.layers.1.mlp.{p}" for p in ("down_proj", "gate_up_proj")]
+    static_traced = default_gemm() != "amx"
+    assert compiled_generations["mixed_a"][1] == sorted(w8a16 + dynamic + (static_a if static_traced else []))
     if "mixed_a-gemv" in compiled_generations:
-        assert compiled_generations["mixed_a-gemv"][1] == sorted(w8a16 + dynamic)
+        assert compiled_generations["mixed_a-gemv"][1] == sorted(w8a16 + dynamic + static_a)
     if "mixed_a-f32" in compiled_generations:
         assert compiled_generations["mixed_a-f32"][1] == w8a16
     if "mixed_a-onednn" in compiled_generations:
-        assert compiled_generations["mixed_a-onednn"][1] == sorted(w8a16 + dynamic)
-    assert compiled_generations["mixed_b"][1] == [f"model.layers.0.{p}" for p in (
+        assert compiled_generations["mixed_a-onednn"][1] == sorted(w8a16 + dynamic + static_a)
+    assert compiled_generations["mixed_b"][1] == sorted([f"model.layers.0.{p}" for p in (
         "mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj")]
+        + (static_b if static_traced else []))
     # two-stage W4A8 is served as int8 per channel (numerics.two_stage_int8): without our C++
     # operators (OP_ENV=0) it is traced where oneDNN serves it (VNNI and AMX CPUs) and an opaque
-    # op where our integer GEMV does through ctypes; mixed_b's W4A16 stays opaque
-    from ascend_quant.runtime.kernels.cpu import default_gemm
-
+    # op where our integer GEMV does through ctypes; mixed_b's W4A16 and static W8A8 stay opaque
     two_stage = [f"model.layers.0.mlp.{p}" for p in ("down_proj", "gate_up_proj")]
     assert compiled_generations["mixed_b-ctypes"][1] == (two_stage if default_gemm(amx=False) == "onednn" else [])
 

@@ -198,7 +198,8 @@ class TorchOpLibrary(NativeLibrary):
 # Python in between (runtime/kernels/cpu.py registers each GEMV build it loads)
 WQ_OP = TorchOpLibrary(HERE / "wq_op.cpp", {"wq_op_register": [_i32, _p, _p], "wq_op_register_int8": [_p],
                                             "wq_op_register_int8_gemv": [_i32, _p, _p],
-                                            "wq_op_register_hadamard": [_i32, _p]})
+                                            "wq_op_register_hadamard": [_i32, _p],
+                                            "wq_op_register_static": [_i32, _p, _p]})
 
 INT8_EXPERTS = NativeLibrary(
     HERE / "int8_experts.c",

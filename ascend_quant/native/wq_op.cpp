@@ -24,7 +24,9 @@
 // over the amx build's wq_int8_linear (registered by Python through `wq_op_register_int8`),
 // which quantizes float activations per token itself, so a traced dynamic Linear is this one call;
 // and `int8_gemv_linear`, the same call over the integer GEMV of any build (wq_int8_gemv: AVX2's
-// VPMADDUBSW, the int8 GEMM of CPUs without VNNI) for weights in the GEMV layout. And
+// VPMADDUBSW, the int8 GEMM of CPUs without VNNI) for weights in the GEMV layout; static W8A8's
+// quantizer `quant_static` and, for the oneDNN GEMM, `int_mm_linear` (ATen's _int_mm and a C
+// epilogue), so that a traced static Linear is two calls that round as the reference does. And
 //
 //     torch.ops.ascend_quant_cpu.hadamard(x, signs, core, isa)
 //
@@ -257,6 +259,61 @@ at::Tensor int8_gemv_linear(const at::Tensor &x, const c10::optional<at::Tensor>
     return a.result();
 }
 
+using quant_static_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, float inv, float offset,
+                                int8_t *q, int nthreads);
+using epilogue_fn = void (*)(const int32_t *acc, int64_t m, int64_t n, const int32_t *qbias, const float *scale,
+                            const float *pertoken, const float *bias, void *y, int ydt, int nthreads);
+quant_static_fn g_quant_static[kSlots] = {};
+epilogue_fn g_epilogue[kSlots] = {};
+
+// Static per-tensor int8 activations (W8A8; wq_gemv.c: wq_quant_static): q = clamp(round(x * inv +
+// offset)) with params = float32 [inv, offset] as numerics.static_activation_params gives them (so
+// numerics alone holds the formula's parameters); int8 of x's shape. An operator, so that a traced
+// static Linear keeps this rounding (inductor's own loop fused x * inv + offset into an FMA).
+at::Tensor quant_static(const at::Tensor &x, const at::Tensor &params, int64_t isa) {
+    TORCH_CHECK(isa >= 0 && isa < kSlots && g_quant_static[isa],
+                "ascend_quant_cpu::quant_static: the GEMV build ", isa, " is not loaded in this process");
+    TORCH_CHECK(params.scalar_type() == at::kFloat && params.numel() == 2,
+                "ascend_quant_cpu::quant_static: params must be float32 [inv, offset]");
+    const at::Tensor p = params.contiguous();
+    const int64_t k = x.size(-1);
+    at::Tensor x2 = x.reshape({-1, k});
+    if (x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kFloat);
+    if (x2.stride(-1) != 1) x2 = x2.contiguous();
+    const int64_t m = x2.size(0);
+    at::Tensor q = at::empty({m, k}, x2.options().dtype(at::kChar));
+    if (m > 0)
+        g_quant_static[isa](x2.data_ptr(), x2.scalar_type() == at::kBFloat16 ? 1 : 0, m, k, x2.stride(0),
+                            p.data_ptr<float>()[0], p.data_ptr<float>()[1], q.data_ptr<int8_t>(), at::get_num_threads());
+    return q.view(x.sizes());
+}
+
+// y = (((x_q @ w^T + quant_bias) * scale) * s_t) + bias for int8 x_q: ATen's _int_mm on w_kn int8
+// [k, n] (exact int32 sums; on VNNI CPUs oneDNN's s8 x s8 kernel), then the reference's epilogue in
+// one pass (wq_gemv.c: wq_int8_epilogue). The oneDNN GEMM's Linears whose epilogue its handler
+// cannot take: static W8A8 (quant_bias inside the int32 sums).
+at::Tensor int_mm_linear(const at::Tensor &x, const c10::optional<at::Tensor> &pertoken, const at::Tensor &w_kn,
+                         const at::Tensor &scale, const c10::optional<at::Tensor> &quant_bias,
+                         const c10::optional<at::Tensor> &bias, int64_t isa, c10::optional<at::ScalarType> out_dtype) {
+    TORCH_CHECK(isa >= 0 && isa < kSlots && g_epilogue[isa],
+                "ascend_quant_cpu::int_mm_linear: the GEMV build ", isa, " is not loaded in this process");
+    TORCH_CHECK(x.scalar_type() == at::kChar, "ascend_quant_cpu::int_mm_linear: x must be int8 activations");
+    TORCH_CHECK(w_kn.scalar_type() == at::kChar && w_kn.dim() == 2 && w_kn.size(0) == x.size(-1),
+                "ascend_quant_cpu::int_mm_linear: w_kn must be int8 [k, n] with k = ", x.size(-1));
+    const int64_t n = w_kn.size(1);
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+                "ascend_quant_cpu::int_mm_linear: scale must be contiguous float32 [n]");
+    const Int8Args a = int8_args("ascend_quant_cpu::int_mm_linear", x, pertoken, quant_bias, bias, n, out_dtype);
+    TORCH_CHECK(!a.qb.has_value() || a.qb->numel() == n, "ascend_quant_cpu::int_mm_linear: one quant_bias per channel");
+    TORCH_CHECK(!a.b.has_value() || a.b->numel() == n, "ascend_quant_cpu::int_mm_linear: one bias per channel");
+    if (a.m == 0) return a.result();
+    const at::Tensor acc = at::_int_mm(a.x2, w_kn);
+    g_epilogue[isa](acc.data_ptr<int32_t>(), a.m, n, a.qb.has_value() ? a.qb->data_ptr<int32_t>() : nullptr,
+                    scale.data_ptr<float>(), a.pt.has_value() ? a.pt->data_ptr<float>() : nullptr, opt_ptr(a.b),
+                    a.y.data_ptr(), a.ydt(), at::get_num_threads());
+    return a.result();
+}
+
 using hadamard_fn = void (*)(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, const float *signs,
                             const float *core, int64_t c, float inv, void *y, int ydt, int64_t ldy, int nthreads,
                             int *status);
@@ -299,6 +356,14 @@ extern "C" void wq_op_register_int8_gemv(int slot, void *fn, void *quant) {
     }
 }
 
+// Python hands over one build's wq_quant_static and wq_int8_epilogue (slot = its index in cpu.ISAS).
+extern "C" void wq_op_register_static(int slot, void *quant, void *epilogue) {
+    if (slot >= 0 && slot < kSlots) {
+        g_quant_static[slot] = reinterpret_cast<quant_static_fn>(quant);
+        g_epilogue[slot] = reinterpret_cast<epilogue_fn>(epilogue);
+    }
+}
+
 // Python hands over one build's wq_hadamard (slot = its index in cpu.ISAS).
 extern "C" void wq_op_register_hadamard(int slot, void *fn) {
     if (slot >= 0 && slot < kSlots) g_hadamard[slot] = reinterpret_cast<hadamard_fn>(fn);
@@ -323,6 +388,9 @@ TORCH_LIBRARY(ascend_quant_cpu, m) {
     m.def("int8_gemv_linear(Tensor x, Tensor? pertoken, Tensor q, Tensor scale, Tensor? quant_bias, Tensor? bias, "
           "int isa, int bits, bool full_range, int max_m, ScalarType? out_dtype) -> Tensor");
     m.def("hadamard(Tensor x, Tensor signs, Tensor core, int isa) -> Tensor");
+    m.def("quant_static(Tensor x, Tensor params, int isa) -> Tensor");
+    m.def("int_mm_linear(Tensor x, Tensor? pertoken, Tensor w_kn, Tensor scale, Tensor? quant_bias, Tensor? bias, "
+          "int isa, ScalarType? out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ascend_quant_cpu, CPU, m) {
@@ -330,4 +398,6 @@ TORCH_LIBRARY_IMPL(ascend_quant_cpu, CPU, m) {
     m.impl("int8_linear", &int8_linear);
     m.impl("int8_gemv_linear", &int8_gemv_linear);
     m.impl("hadamard", &hadamard);
+    m.impl("quant_static", &quant_static);
+    m.impl("int_mm_linear", &int_mm_linear);
 }

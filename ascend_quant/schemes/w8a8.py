@@ -107,12 +107,16 @@ class W8A8(Scheme):
         extra = {"input_scale": t["input_scale"].float().reshape(-1)[-1:],
                  "input_offset": t["input_offset"].float().reshape(-1)[-1:],
                  "quant_bias": t["quant_bias"].to(torch.int32).reshape(-1) if add_quant_bias else None}
+        # the quantizer's float32 [1/s, offset], once: a compiled graph that computed them would
+        # lose their bf16 rounding (inductor drops a float32 -> bf16 -> float32 round trip)
+        extra["input_params"] = torch.cat([p.reshape(1) for p in numerics.static_activation_params(
+            extra["input_scale"], extra["input_offset"], bf16_params=True)])
         return PreparedLinear(self, backend, backend.prepare_int8(w, deq), n, k, extra=extra)
 
     def forward(self, linear, x, bias):
         # the float bias is folded into quant_bias: `bias` is ignored on purpose
         b, e = linear.backend, linear.extra
-        x_q = b.quantize_static(x, e["input_scale"], e["input_offset"])
+        x_q = b.quantize_static(x, e["input_scale"], e["input_offset"], params=e["input_params"])
         return b.int8_matmul(x_q, linear.prepared, quant_bias=e["quant_bias"], out_dtype=x.dtype)
 
 

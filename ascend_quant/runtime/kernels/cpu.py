@@ -337,6 +337,33 @@ def hadamard_op() -> tuple[object, int] | None:
     return torch.ops.ascend_quant_cpu.hadamard, ISAS.index(isa)
 
 
+def _static_ops(isa: str, gemv_lib):
+    """(`torch.ops.ascend_quant_cpu.quant_static`, `...int_mm_linear`) with this GEMV build's
+    `wq_quant_static` and `wq_int8_epilogue` registered, or None: no GEMV build, no C++ operator,
+    or `ASCEND_QUANT_CPU_OP=0` (the same kernels through ctypes)."""
+    if gemv_lib is None or os.environ.get(OP_ENV, "1") == "0":
+        return None
+    lib = native.WQ_OP.load()
+    if lib is None:
+        return None
+    fn = lambda name: ctypes.cast(getattr(gemv_lib, name), ctypes.c_void_p)  # noqa: E731
+    lib.wq_op_register_static(ISAS.index(isa), fn("wq_quant_static"), fn("wq_int8_epilogue"))
+    _register_static_fakes()
+    return torch.ops.ascend_quant_cpu.quant_static, torch.ops.ascend_quant_cpu.int_mm_linear
+
+
+@functools.lru_cache(maxsize=1)
+def _register_static_fakes() -> None:
+    """The outputs' shapes and dtypes of `quant_static` and `int_mm_linear` for tracing."""
+    @torch.library.register_fake("ascend_quant_cpu::quant_static")
+    def _(x, params, isa):
+        return torch.empty_like(x, dtype=torch.int8)
+
+    @torch.library.register_fake("ascend_quant_cpu::int_mm_linear")
+    def _(x, pertoken, w_kn, scale, quant_bias, bias, isa, out_dtype):
+        return x.new_empty((*x.shape[:-1], w_kn.shape[1]), dtype=out_dtype if out_dtype is not None else torch.float32)
+
+
 @functools.lru_cache(maxsize=1)
 def _register_hadamard_fake() -> None:
     """The output's shape and dtype of `hadamard` (x's) for tracing (vLLM's compiled mode)."""
@@ -590,6 +617,8 @@ class CpuBackend(ReferenceBackend):
         # the GEMV's operators: `wq_linear` (weight-only) and `int8_gemv_linear` (the "gemv" GEMM,
         # and two-stage per-group W4A8 on every GEMM); None: called through ctypes
         self.wq_op, self.int8_gemv_op = _gemv_ops(self.isa, self.gemv_lib)
+        # static W8A8's quantizer and the oneDNN GEMM's int8 Linear for it, as operators (or None)
+        self.static_ops = _static_ops(self.isa, self.gemv_lib)
         self.int8_op = _int8_op(self.isa, self.gemv_lib) if gemm == "amx" else None
         if gemm == "amx" and self.int8_op is None:
             if forced:
@@ -635,23 +664,30 @@ class CpuBackend(ReferenceBackend):
             return out, scale
         return out.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
 
-    def quantize_static(self, x, input_scale, input_offset):
+    def quantize_static(self, x, input_scale, input_offset, params=None):
         """numerics.quantize_activation_static bit for bit (its bf16-rounded parameters), in one C
-        pass (`wq_quant_static`) instead of torch's five."""
-        if (torch.compiler.is_compiling() or self.gemv_lib is None or x.dtype not in (torch.float32, torch.bfloat16)
+        pass (`wq_quant_static`) instead of torch's five: through the operator `quant_static`
+        where it is loaded, else through ctypes. `params` (the scheme's precomputed float32
+        [1/s, offset]) lets a compiled graph call the operator; without them compiled mode
+        takes numerics' torch ops (not computed in the graph: inductor drops their bf16 round trip)."""
+        if (self.gemv_lib is None or x.dtype not in (torch.float32, torch.bfloat16)
                 or input_scale.numel() != 1 or input_offset.numel() != 1):
             return super().quantize_static(x, input_scale, input_offset)
+        if params is not None and self.static_ops is not None:
+            return self.static_ops[0](x, params, ISAS.index(self.isa))
+        if torch.compiler.is_compiling():
+            return super().quantize_static(x, input_scale, input_offset)
         key = (input_scale.item(), input_offset.item())
-        params = self._static_params.get(key)
-        if params is None:      # numerics' torch ops cost ~13 us a call: once per (scale, offset)
+        floats = self._static_params.get(key)
+        if floats is None:      # numerics' torch ops cost ~13 us a call: once per (scale, offset)
             inv, offset = numerics.static_activation_params(input_scale, input_offset, bf16_params=True)
-            params = self._static_params[key] = (inv.item(), offset.item())
+            floats = self._static_params[key] = (inv.item(), offset.item())
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         m, k = x2.shape
         out = torch.empty((m, k), dtype=torch.int8)
-        self.gemv_lib.wq_quant_static(x2.data_ptr(), _XDT[x2.dtype], m, k, x2.stride(0), *params, out.data_ptr(),
+        self.gemv_lib.wq_quant_static(x2.data_ptr(), _XDT[x2.dtype], m, k, x2.stride(0), *floats, out.data_ptr(),
                                       torch.get_num_threads())
         return out if x.dim() == 2 else out.reshape(x.shape)
 
@@ -713,6 +749,13 @@ class CpuBackend(ReferenceBackend):
         packed = bits == 4 and weight.shape[1] % 2 == 0
         weight_t = numerics.pack_int4(weight.t().contiguous()) if packed else weight.t().contiguous()
         return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
+
+    def _on_int_mm_op(self, w) -> bool:
+        """Whether int8 weight `w` takes `int_mm_linear` (_int_mm and the C epilogue, one operator
+        call): the oneDNN GEMM's int8 [k, n] copy, for the calls its handler cannot take (static
+        W8A8's quant_bias), where the operator is loaded."""
+        return (self.use_onednn and self.static_ops is not None and w.weight_t is not None
+                and w.weight_t.dtype == torch.int8 and not w.packed)
 
     def _on_int8_gemv(self, w) -> bool:
         """Whether int8 weight `w` runs on the integer GEMV: the "gemv" GEMM, which prepared it in the
@@ -781,6 +824,9 @@ class CpuBackend(ReferenceBackend):
             if dt != out_dtype:
                 out = out.to(out_dtype)
             return out if x_q.dim() == 2 else out.reshape(*lead, -1)
+        if self._on_int_mm_op(w) and x2.dtype == torch.int8:
+            return self.static_ops[1](x2, pertoken_scale, w.weight_t, w.scale, quant_bias, bias, ISAS.index(self.isa),
+                                      out_dtype).reshape(*lead, w.n)
         if self.gemm == "int_mm" or (self.use_onednn and w.weight_t is not None and w.weight_t.dtype == torch.int8
                                      and not w.packed):
             # int32 sums, exact (on VNNI CPUs oneDNN's s8s8 kernel); for the oneDNN GEMM, the
@@ -835,7 +881,8 @@ class CpuBackend(ReferenceBackend):
         oneDNN handler (`finalize_linear`), where the forward is the quantizer (numerics' torch
         ops when traced) and vLLM's `onednn_scaled_mm`, both of which inductor keeps; or a
         weight in the GEMV layout with the C++ operator loaded (`ascend_quant_cpu::wq_linear`,
-        which inductor calls directly)."""
+        which inductor calls directly); or static W8A8 on the integer GEMV or the oneDNN GEMM,
+        where the forward is the `quant_static` operator and `int8_gemv_linear` / `int_mm_linear`."""
         w = linear.prepared
         if isinstance(w, CpuWeightOnly):
             # W8A16, W4A16: `wq_linear`; two-stage W4A8: `int8_gemv_linear`, quantizer inside (both
@@ -843,10 +890,16 @@ class CpuBackend(ReferenceBackend):
             return w.gemv is not None and self.wq_op is not None
         if isinstance(w, CpuInt8Weight) and (
                 w.amx is not None or (self._on_int8_gemv(w) and self.int8_gemv_op is not None)):
-            # the AMX-INT8 or integer-GEMV operator, which quantizes dynamic activations inside. Not
-            # static W8A8: traced, its quantizer's `x * (1/s) + o` is fused into one FMA by
-            # inductor, which rounds some values the other way (measured: a different greedy token)
+            # the AMX-INT8 or integer-GEMV operator, which quantizes dynamic activations inside.
+            # Static W8A8 on the integer GEMV: its quantizer is the `quant_static` operator (traced
+            # as numerics' torch ops, inductor fused `x * (1/s) + o` into one FMA, which rounded
+            # some values the other way: a different greedy token). Not yet on AMX-INT8 (not run
+            # on an AMX CPU since): the opaque op there.
+            if linear.scheme.activation_mode == "static":
+                return self.static_ops is not None and w.amx is None
             return linear.scheme.activation_mode == "dynamic"
+        if isinstance(w, CpuInt8Weight) and linear.scheme.activation_mode == "static":
+            return self._on_int_mm_op(w)       # oneDNN GEMM: `quant_static`, then `int_mm_linear`
         return (linear.scheme.activation_mode == "dynamic" and isinstance(w, CpuInt8Weight)
                 and w.onednn is not None and len(w.onednn) == 1 and not w.holds_integers())
 

@@ -60,7 +60,7 @@ class NpuBackend:
         return _torch_npu().npu_format_cast(w, ACL_FORMAT_FRACTAL_NZ) if self.nz else w
 
     # ---------------------------------------------------------------- activations
-    def quantize_static(self, x, input_scale, input_offset):
+    def quantize_static(self, x, input_scale, input_offset, params=None):
         k = x.shape[-1]
         inv = (1.0 / input_scale.float().reshape(1)).to(torch.bfloat16).repeat(k)
         offset = input_offset.float().reshape(1).to(torch.bfloat16).repeat(k)

@@ -78,7 +78,9 @@ class ReferenceBackend:
         return True, ""
 
     # ---------------------------------------------------------------- activations
-    def quantize_static(self, x, input_scale, input_offset):
+    def quantize_static(self, x, input_scale, input_offset, params=None):
+        """`params`: numerics.static_activation_params of the two, precomputed by the caller (the
+        scheme's prepare) for backends whose kernels take them; the formula itself here."""
         return numerics.quantize_activation_static(x, input_scale, input_offset, bf16_params=True)
 
     def quantize_dynamic(self, x):
