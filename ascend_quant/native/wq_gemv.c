@@ -341,6 +341,38 @@ static inline void store_row32(void *y, int ydt, int64_t ldy, int64_t tok, int64
     }
 }
 
+/* The panel paths' end of one token's 32 channels: v[h] the float32 sums of channels 16h..16h+15
+ * (per group already scaled; per channel times st here), minus sum over groups of offset * scale
+ * * sum(x over the group) (xs: the token's group sums, NULL without offsets), plus bias, stored
+ * in y's dtype. st / ost: scale and offset * scale as [group][32 channels] (panel_scales). */
+static inline void finish_row32(__m512 v[2], int per_group, const float *st, const float *ost, const float *xs,
+                                int64_t groups, const float *bias, void *y, int ydt, int64_t ldy, int64_t tok,
+                                int64_t j0, int64_t nj, const __mmask16 mask[2], int stream) {
+    for (int h = 0; h < 2; h++) {
+        if (!per_group) v[h] = _mm512_mul_ps(v[h], _mm512_load_ps(st + h * 16));
+        if (xs) {
+            __m512 c = _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g++)
+                c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_load_ps(ost + g * 32 + h * 16), _mm512_set1_ps(xs[g])));
+            v[h] = _mm512_sub_ps(v[h], c);
+        }
+        if (bias) v[h] = _mm512_add_ps(v[h], _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16));
+    }
+    store_row32(y, ydt, ldy, tok, j0, nj, mask, v, stream);
+}
+
+/* st[g][jj] = scale of channel j0 + jj in group g, ost the same times its offset (zeros past
+ * the nj channels of a tail block, and for ost without offsets). */
+static inline void panel_scales(const float *scale, const float *offset, int64_t j0, int64_t nj, int64_t groups,
+                                float *st, float *ost) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t jj = 0; jj < 32; jj++) {
+            const float sv = jj < nj ? scale[(j0 + jj) * groups + g] : 0.f;
+            st[g * 32 + jj] = sv;
+            ost[g * 32 + jj] = jj < nj && offset ? offset[(j0 + jj) * groups + g] * sv : 0.f;
+        }
+}
+
 /* Larger batches (prefill) with bfloat16 activations on AVX512-BF16 without AMX tiles (mode 0,
  * from PANEL_MIN_M tokens on). A block of 32 output channels is converted once per span of
  * tokens into a panel of bfloat16 pairs, [in-feature pair][32 channels] (each int8 / int4 value
@@ -441,12 +473,7 @@ static void bf16_panel_gemm(const uint16_t *x, int64_t m, int64_t ldx, const voi
                             for (int q = 0; q < 16; q++)
                                 _mm512_store_si512((void *)(panel + (c * 16 + q) * 32 + h * 16), r[q]);
                         }
-                    for (int64_t g = 0; g < groups; g++)
-                        for (int64_t jj = 0; jj < 32; jj++) {
-                            const float sv = jj < nj ? scale[(j0 + jj) * groups + g] : 0.f;
-                            st[g * 32 + jj] = sv;
-                            ost[g * 32 + jj] = jj < nj && offset ? offset[(j0 + jj) * groups + g] * sv : 0.f;
-                        }
+                    panel_scales(scale, offset, j0, nj, groups, st, ost);
                     const __mmask16 mask[2] = {(__mmask16)(nj >= 16 ? 0xFFFF : (1u << nj) - 1),
                                                (__mmask16)(nj <= 16 ? 0 : nj >= 32 ? 0xFFFF : (1u << (nj - 16)) - 1)};
                     for (int64_t t0 = m0; t0 < m1; t0 += PANEL_MT) {
@@ -458,20 +485,8 @@ static void bf16_panel_gemm(const uint16_t *x, int64_t m, int64_t ldx, const voi
                         }
                         for (int t = 0; t < mt; t++) {
                             const int64_t tok = t0 + t;
-                            __m512 v[2];
-                            for (int h = 0; h < 2; h++) {
-                                v[h] = out[t][h];
-                                if (!per_group) v[h] = _mm512_mul_ps(v[h], _mm512_load_ps(st + h * 16));
-                                if (offset) {
-                                    __m512 c = _mm512_setzero_ps();
-                                    for (int64_t g = 0; g < groups; g++)
-                                        c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_load_ps(ost + g * 32 + h * 16),
-                                                                           _mm512_set1_ps(xsum[tok * groups + g])));
-                                    v[h] = _mm512_sub_ps(v[h], c);
-                                }
-                                if (bias) v[h] = _mm512_add_ps(v[h], _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16));
-                            }
-                            store_row32(y, ydt, ldy, tok, j0, nj, mask, v, stream);
+                            finish_row32(out[t], per_group, st, ost, xsum ? xsum + tok * groups : NULL, groups, bias,
+                                         y, ydt, ldy, tok, j0, nj, mask, stream);
                         }
                     }
                 }
@@ -598,12 +613,7 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
                         _mm512_store_si512((void *)(dst + c * 32), bits == 4 ? bf16_row32_4(src + c * 16, tab)
                                                                              : bf16_row32_8((const int8_t *)src + c * 32));
                 }
-                for (int64_t g = 0; g < groups; g++)
-                    for (int64_t jj = 0; jj < 32; jj++) {
-                        const float sv = jj < nj ? scale[(j0 + jj) * groups + g] : 0.f;
-                        st[g * 32 + jj] = sv;
-                        ost[g * 32 + jj] = jj < nj && offset ? offset[(j0 + jj) * groups + g] * sv : 0.f;
-                    }
+                panel_scales(scale, offset, j0, nj, groups, st, ost);
                 const __mmask16 mask[2] = {(__mmask16)(nj >= 16 ? 0xFFFF : (1u << nj) - 1),
                                            (__mmask16)(nj <= 16 ? 0 : nj >= 32 ? 0xFFFF : (1u << (nj - 16)) - 1)};
                 for (int64_t t0 = m0; t0 < m1; t0 += 32) {
@@ -646,20 +656,9 @@ static void amx_gemv(const uint16_t *x, int64_t m, int64_t ldx, const void *w, i
                         }
                         for (int64_t t = 0; t < 16 && u * 16 + t < nt; t++) {
                             const int64_t tok = t0 + u * 16 + t;
-                            __m512 v[2];
-                            for (int h = 0; h < 2; h++) {
-                                v[h] = _mm512_castsi512_ps(r[h][t]);
-                                if (!per_group) v[h] = _mm512_mul_ps(v[h], _mm512_load_ps(st + h * 16));
-                                if (offset) {
-                                    __m512 c = _mm512_setzero_ps();
-                                    for (int64_t g = 0; g < groups; g++)
-                                        c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_load_ps(ost + g * 32 + h * 16),
-                                                                           _mm512_set1_ps(xsum[tok * groups + g])));
-                                    v[h] = _mm512_sub_ps(v[h], c);
-                                }
-                                if (bias) v[h] = _mm512_add_ps(v[h], _mm512_maskz_loadu_ps(mask[h], bias + j0 + h * 16));
-                            }
-                            store_row32(y, ydt, ldy, tok, j0, nj, mask, v, stream);
+                            __m512 v[2] = {_mm512_castsi512_ps(r[0][t]), _mm512_castsi512_ps(r[1][t])};
+                            finish_row32(v, per_group, st, ost, xsum ? xsum + tok * groups : NULL, groups, bias,
+                                         y, ydt, ldy, tok, j0, nj, mask, stream);
                         }
                     }
                 }
@@ -854,6 +853,21 @@ static inline vf load_xv(const void *x, int xdt, int64_t i) {
  * division, as in the reference: x * (1 / s_t) differs from it by an ulp now and then, which
  * moves a value sitting on a rounding boundary to the other integer. q: [m, k] contiguous,
  * scale: [m]. quant_row is one row: x_t [k] -> q_t [k], returns s_t. */
+/* VW values rounded half to even, clamped to [lo, hi], stored as int8 at q */
+static inline void store_int8(int8_t *q, vf v, vf lo, vf hi) {
+#if VW == 16
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+#else
+    v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
+                                _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(w, w));
+#endif
+}
+
 static inline float quant_row(const char *row, int xdt, int64_t k, int8_t *qt) {
     float amax = 0.0f;
     int64_t i = 0;
@@ -876,24 +890,11 @@ static inline float quant_row(const char *row, int xdt, int64_t k, int8_t *qt) {
     }
     const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
     i = 0;
+    const vf vs = vset(s), lo = vset(-127.0f), hi = vset(127.0f);
 #if VW == 16
-    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    for (; i + 16 <= k; i += 16) {
-        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load_xv(row, xdt, i), vs),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-        _mm_storeu_si128((__m128i *)(qt + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
+    for (; i + VW <= k; i += VW) store_int8(qt + i, _mm512_div_ps(load_xv(row, xdt, i), vs), lo, hi);
 #else
-    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-    for (; i + 8 <= k; i += 8) {
-        __m256 v = _mm256_round_ps(_mm256_div_ps(load_xv(row, xdt, i), vs),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
-                                    _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
-        _mm_storel_epi64((__m128i *)(qt + i), _mm_packs_epi16(w, w));
-    }
+    for (; i + VW <= k; i += VW) store_int8(qt + i, _mm256_div_ps(load_xv(row, xdt, i), vs), lo, hi);
 #endif
     for (; i < k; i++) {
         float v = __builtin_rintf(load_x(row, xdt, i) / s);   /* default rounding: half to even */
@@ -1047,20 +1048,7 @@ void wq_quant_static(const void *x, int xdt, int64_t m, int64_t k, int64_t ldx, 
         int8_t *qt = q + t * k;
         int64_t i = 0;
         const vf vi = vset(inv), vo = vset(offset), lo = vset(-128.0f), hi = vset(127.0f);
-        for (; i + VW <= k; i += VW) {
-            vf v = vadd(vmul(load_xv(row, xdt, i), vi), vo);
-#if VW == 16
-            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-            _mm_storeu_si128((__m128i *)(qt + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-#else
-            v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-            __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
-                                        _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
-            _mm_storel_epi64((__m128i *)(qt + i), _mm_packs_epi16(w, w));
-#endif
-        }
+        for (; i + VW <= k; i += VW) store_int8(qt + i, vadd(vmul(load_xv(row, xdt, i), vi), vo), lo, hi);
         for (; i < k; i++) {
             float v = load_x(row, xdt, i) * inv;
             v = __builtin_rintf(v + offset);
