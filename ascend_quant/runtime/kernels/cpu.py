@@ -750,12 +750,15 @@ class CpuBackend(ReferenceBackend):
         weight_t = numerics.pack_int4(weight.t().contiguous()) if packed else weight.t().contiguous()
         return CpuInt8Weight(weight_t, scale, handler, weight.shape[0], packed=packed)
 
+    def _on_int_mm(self, w) -> bool:
+        """Whether int8 weight `w` is the oneDNN GEMM's int8 [k, n] copy, which serves through
+        _int_mm the calls its handler cannot take (static W8A8's quant_bias)."""
+        return self.use_onednn and w.weight_t is not None and w.weight_t.dtype == torch.int8 and not w.packed
+
     def _on_int_mm_op(self, w) -> bool:
-        """Whether int8 weight `w` takes `int_mm_linear` (_int_mm and the C epilogue, one operator
-        call): the oneDNN GEMM's int8 [k, n] copy, for the calls its handler cannot take (static
-        W8A8's quant_bias), where the operator is loaded."""
-        return (self.use_onednn and self.static_ops is not None and w.weight_t is not None
-                and w.weight_t.dtype == torch.int8 and not w.packed)
+        """`_on_int_mm` with the `int_mm_linear` operator loaded (_int_mm and the C epilogue, one
+        operator call)."""
+        return self.static_ops is not None and self._on_int_mm(w)
 
     def _on_int8_gemv(self, w) -> bool:
         """Whether int8 weight `w` runs on the integer GEMV: the "gemv" GEMM, which prepared it in the
@@ -827,8 +830,7 @@ class CpuBackend(ReferenceBackend):
         if self._on_int_mm_op(w) and x2.dtype == torch.int8:
             return self.static_ops[1](x2, pertoken_scale, w.weight_t, w.scale, quant_bias, bias, ISAS.index(self.isa),
                                       out_dtype).reshape(*lead, w.n)
-        if self.gemm == "int_mm" or (self.use_onednn and w.weight_t is not None and w.weight_t.dtype == torch.int8
-                                     and not w.packed):
+        if self.gemm == "int_mm" or self._on_int_mm(w):
             # int32 sums, exact (on VNNI CPUs oneDNN's s8s8 kernel); for the oneDNN GEMM, the
             # Linears its handler cannot take: static W8A8, whose quant_bias joins the int32 sums
             acc = torch._int_mm(x2, w.weight_t)
