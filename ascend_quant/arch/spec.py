@@ -120,7 +120,12 @@ class GatedMLP:
     gate: str
     up: str
     down: str
-    activation: str = "silu"
+    activation: str = "silu"       # a name in transformers' ACT2FN (config.json's hidden_act)
+
+    def activation_fn(self):
+        """The activation as a function of gate's output."""
+        from transformers.activations import ACT2FN
+        return ACT2FN[self.activation]
 
 
 @dataclass(frozen=True)

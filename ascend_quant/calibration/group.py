@@ -317,13 +317,105 @@ def _plan(name: str, scheme: str, w: torch.Tensor, recipe: Recipe, prefix: str,
                 clip=None if ratio is None else ratio.mean().item())
 
 
+# ------------------------------------------------------------------------ gated MLP rows
+
+KMEANS_TOKENS = 1024        # evenly spaced tokens each row's weights are clustered on
+ROW_WEIGHT_FLOOR = 0.05     # every token keeps this share of a row's mean weight
+ROW_CHUNK = 2048            # tokens per pass (the [tokens, rows] weights are never held whole)
+
+
+def gate_up_sensitivities(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tokens x [t, k] of a gated MLP act(x W_gate^T) * (x W_up^T): the squared factor by
+    which an error in each row's output reaches the product, (act'(g) u)^2 for gate's rows and
+    act(g)^2 for up's, both [t, n] (act' by autograd, so any elementwise activation works)."""
+    g = x @ w_gate.t()
+    u = x @ w_up.t()
+    with torch.enable_grad():
+        g = g.requires_grad_(True)
+        a = act(g)
+        (slope,) = torch.autograd.grad(a.sum(), g)
+    return slope.mul_(u).square_(), a.detach().square_()
+
+
+def kmeans(points: torch.Tensor, clusters: int, iterations: int = 15, seed: int = 0) -> torch.Tensor:
+    """Labels [n] in [0, min(clusters, n)) of points [n, d]: Lloyd's k-means from `clusters`
+    points drawn with `seed`."""
+    n = points.shape[0]
+    count = min(clusters, n)
+    centres = points[torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]].clone()
+    labels = torch.zeros(n, dtype=torch.long)
+    for _ in range(iterations):
+        labels = torch.cdist(points, centres).argmin(1)
+        for c in range(count):
+            members = labels == c
+            if members.any():
+                centres[c] = points[members].mean(0)
+    return labels
+
+
+@torch.no_grad()
+def gate_up_row_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act, clusters: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gptq.gate_up_clusters`: (labels [n_gate + n_up], token weights [C, t]) for GPTQ on
+    tokens x [t, k]. Each row's token weights (`gate_up_sensitivities`; gate's rows first) are
+    divided by their mean and mixed with ROW_WEIGHT_FLOOR of uniform, rows with similar
+    weights are clustered (k-means on KMEANS_TOKENS tokens), and a cluster's token weights are
+    the mean of its rows': its GPTQ Hessian is then X^T diag(weights) X."""
+    x, w_gate, w_up = x.float(), w_gate.float(), w_up.float()
+    t, n = x.shape[0], w_gate.shape[0] + w_up.shape[0]
+
+    def row_weights(lo: int, hi: int) -> torch.Tensor:        # [hi - lo, n]
+        return torch.cat(gate_up_sensitivities(x[lo:hi], w_gate, w_up, act), 1)
+
+    sums = torch.zeros(n, dtype=torch.float64)
+    for lo in range(0, t, ROW_CHUNK):
+        sums += row_weights(lo, lo + ROW_CHUNK).sum(0, dtype=torch.float64)
+    inv_mean = (t / sums.clamp(min=1e-30)).float()
+    points = torch.cat(gate_up_sensitivities(stride(x, KMEANS_TOKENS), w_gate, w_up, act), 1).t() * inv_mean[:, None]
+    labels = kmeans(points.mul_(1 - ROW_WEIGHT_FLOOR).add_(ROW_WEIGHT_FLOOR), clusters)
+    count = int(labels.max()) + 1
+    members = torch.zeros(n, count)
+    members[torch.arange(n), labels] = 1.0
+    sizes = members.sum(0)
+    average = members * inv_mean[:, None] / sizes.clamp(min=1.0)        # [n, C]: each cluster's mean
+    weights = torch.empty(count, t)
+    for lo in range(0, t, ROW_CHUNK):
+        weights[:, lo:lo + ROW_CHUNK] = (row_weights(lo, lo + ROW_CHUNK) @ average).t()
+    return labels, weights.mul_(1 - ROW_WEIGHT_FLOOR).add_(ROW_WEIGHT_FLOOR)
+
+
+def _gptq_by_cluster(w: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor, x: torch.Tensor,
+                     bits: int, gs: int, g, scale: torch.Tensor | None, offset: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ on rows w [n, k] cluster by cluster (`labels` [n]), cluster c on the Hessian of
+    tokens x [t, k] weighted by token_weights[c] [t]; fixed `scale` / `offset` rows go along."""
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales: torch.Tensor | None = None
+    for c in range(token_weights.shape[0]):
+        rows = (labels == c).nonzero().flatten()
+        if not rows.numel():
+            continue
+        qc, sc = gptq_quantize(w[rows], hessian(x * token_weights[c].sqrt()[:, None].to(x.dtype)), bits, gs,
+                               g.damp, g.block_size, g.act_order, g.mse_scales,
+                               scale=None if scale is None else scale[rows],
+                               offset=None if offset is None else offset[rows])
+        if scales is None:
+            scales = torch.empty(w.shape[0], sc.shape[1], dtype=sc.dtype)
+        q[rows], scales[rows] = qc, sc
+    return q, scales
+
+
 def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Recipe,
-           hessians: dict[str, torch.Tensor] | None = None, token_weights: torch.Tensor | None = None
+           hessians: dict[str, torch.Tensor] | None = None, token_weights: torch.Tensor | None = None,
+           gate_up: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
            ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every member's (q, scale): min-max, or GPTQ on the Hessian of its scheme's input
     tokens `inputs[scheme]` [t, k], weighted by `token_weights` [t] if given (or
     `hessians[scheme]`, that Hessian already formed).
-    Members of one scheme share that input, so their GPTQ runs once on the rows stacked."""
+    Members of one scheme share that input, so their GPTQ runs once on the rows stacked;
+    `gate_up` (`gate_up_row_weights`: labels by member, cluster token weights at the Hessian's
+    tokens), where it names a batch's members, makes that batch's GPTQ run per row cluster."""
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     batches: dict[tuple, list[str]] = {}
     for name, plan in plans.items():
@@ -346,6 +438,13 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
         rows = [plans[n]["w"].shape[0] for n in names]
         fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
         offset = torch.cat([plans[n]["offset"] for n in names]) if has_offset else None
+        if gate_up is not None and sorted(names) == sorted(gate_up[0]):
+            q, scale = _gptq_by_cluster(torch.cat([plans[n]["w"] for n in names]),
+                                        torch.cat([gate_up[0][n] for n in names]), gate_up[1],
+                                        hessian_sample(inputs[scheme], recipe, token_weights),
+                                        SCHEMES[scheme].weight_bits, gs, g, fixed, offset)
+            rounded.update(zip(names, zip(q.split(rows), scale.split(rows))))
+            continue
         q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]), hessian_of(scheme),
                                  SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
                                  g.mse_scales, scale=fixed, offset=offset)
@@ -373,7 +472,9 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
                      recipe: Recipe, prefix: str, method: str | None = None,
                      group_size: int | None = None,
                      float_target: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     token_weights: torch.Tensor | None = None) -> dict[str, QuantizedLinear]:
+                     token_weights: torch.Tensor | None = None,
+                     gate_up: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
+                     ) -> dict[str, QuantizedLinear]:
     """The quantized members (`quantized`: name -> scheme) from their weights [n, k] and
     biases, their scheme's input tokens `inputs[scheme]` [t, k] (GPTQ's Hessian) and the
     group's activation range. Each one's `error` is its relative output error on the float
@@ -387,7 +488,8 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
     model's output (`gptq.float_target_weight`). The fit sees the upstream drift only: fitted
     to the activation-quantized input it would also chase this input's per-token rounding.
     `token_weights` [t] (`output_norm_weights`): each token's error counts with its weight in
-    the clip search and GPTQ (a given `float_target` is weighted already)."""
+    the clip search and GPTQ (a given `float_target` is weighted already). `gate_up`
+    (`gate_up_row_weights`): GPTQ per row cluster of a gated MLP's gate and up (see `_round`)."""
     originals = {name: weights[name].float() for name in quantized}
     targets = dict(originals)
     if float_target is not None and method != "minmax":
@@ -399,7 +501,7 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
             targets.update(zip(names, fitted.split(rows)))
     plans = {name: _plan(name, scheme, targets[name], recipe, prefix, method, group_size,
                          inputs.get(scheme), token_weights) for name, scheme in quantized.items()}
-    rounded = _round(plans, inputs, recipe, token_weights=token_weights)
+    rounded = _round(plans, inputs, recipe, token_weights=token_weights, gate_up=gate_up)
     linears: dict[str, QuantizedLinear] = {}
     for name, plan in plans.items():
         scheme, w = plan["scheme"], originals[name]

@@ -8,7 +8,7 @@ overrides matched with shell-style patterns on the module name:
     group_size: 0
     smoothquant: {alpha: 0.8, smooth_down: true, alphas: [0.5, 0.7, 0.9], group_alpha: {down: 0.5}}
     activations: {observer: percentile, percentile: 99.99}
-    gptq: {damp: 0.01, block_size: 128, act_order: true, float_target: false}
+    gptq: {damp: 0.01, block_size: 128, act_order: true, float_target: false, gate_up_clusters: 8}
     awq: {alphas: [0.0, 0.25, 0.5, 0.75, 1.0], clip: true}   # weight-rounding search (see AWQ)
     weights: {symmetric: false}   # zero points (W4A16 only)
     kv_cache: {dtype: int8, method: mse}
@@ -87,6 +87,14 @@ class GPTQ:
     # many tokens instead of hessian_tokens (0: all): the fit solves for k weights per output
     # row, which a sample of a few k tokens may overfit (W4A16 on rotated SmolLM2, stop 39)
     float_target_tokens: int = 65536
+    # > 0: in a gated MLP (arch GatedMLP: down(act(gate(x)) * up(x))) gate's and up's rows are
+    # rounded for the product, not for their own outputs: a token counts for up's row j with
+    # act(g_j)^2 and for gate's with (act'(g_j) u_j)^2 (how row j's error reaches down's input),
+    # the rows are grouped by those token weights into this many clusters (k-means), and GPTQ
+    # runs once per cluster on that cluster's weighted Hessian (group.gate_up_row_weights);
+    # 0: one Hessian for all rows, every token alike. Not where float_target applies: its fit
+    # W* is the least-squares solution for the shared Hessian, not for the clusters'
+    gate_up_clusters: int = 0
 
 
 @dataclass
@@ -347,6 +355,9 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                for v in (recipe.gptq.hessian_tokens, recipe.gptq.float_target_tokens)):
         raise RecipeError(f"{where}: gptq.hessian_tokens and gptq.float_target_tokens must be counts >= 0 (0: all)")
+    clusters = recipe.gptq.gate_up_clusters
+    if not isinstance(clusters, int) or isinstance(clusters, bool) or clusters < 0:
+        raise RecipeError(f"{where}: gptq.gate_up_clusters must be a count >= 0 (0: off), got {clusters!r}")
     if awq and awq.score not in ("minmax", "final"):
         raise RecipeError(f"{where}: awq.score must be minmax or final, got {awq.score!r}")
     if not recipe.weights.symmetric and not get_scheme(recipe.scheme).weight_zero_points:

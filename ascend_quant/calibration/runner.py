@@ -27,12 +27,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ascend_quant import memory
-from ascend_quant.arch import ArchSpec, LinearExperts, LinearGroup, experts_of, lean_mlp, replace_experts, spec_for_model
+from ascend_quant.arch import (ArchSpec, GatedMLP, LinearExperts, LinearGroup, experts_of, lean_mlp, replace_experts,
+                               spec_for_model)
 from ascend_quant.arch.attention import install_attention_hook
 from ascend_quant.arch.spec import norm_eps
 from ascend_quant.calibration import CalibrationError
 from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_sample, fake_quantized_inputs,
-                                            hessian_sample, hessian_sample_weights, observe_activations,
+                                            gate_up_row_weights, hessian_sample, hessian_sample_weights,
+                                            observe_activations,
                                             output_norm_weights, quantize_linears, smooths, weigh)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
 from ascend_quant.calibration import online_rotation
@@ -78,8 +80,9 @@ class _GroupHook:
 
     def __init__(self, layer: torch.nn.Module, group: LinearGroup, prefix: str, recipe: Recipe,
                  results: dict[str, QuantizedLinear], valid: torch.Tensor, experts: LinearExperts | None = None,
-                 float_input: torch.Tensor | None = None):
+                 float_input: torch.Tensor | None = None, mlp: GatedMLP | None = None):
         self.layer, self.group, self.prefix, self.recipe, self.results = layer, group, prefix, recipe, results
+        self.mlp = mlp                            # the layer's gated MLP (gptq.gate_up_clusters), if any
         self.float_input = float_input            # the float model's input at GPTQ's tokens (gptq.float_target)
         self.experts = experts                    # a routed expert's group: its layer's experts
         self.valid2d = valid                      # [N, L] bool: real tokens, not padding
@@ -151,6 +154,20 @@ class _GroupHook:
             self.seen_by_scheme[scheme] = SCHEMES[scheme].fake_quant_input(x, self.results[f"{self.prefix}.{name}"])
         return self.seen_by_scheme[scheme]
 
+    def _gate_up_rows(self, flat: torch.Tensor, weights: dict[str, torch.Tensor], quantized: dict[str, str],
+                      recipe: Recipe) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        """`gptq.gate_up_clusters`: the row clusters and their token weights at GPTQ's tokens
+        (group.gate_up_row_weights) when this group is the layer's gated MLP's gate and up, both
+        rounded by GPTQ; else None."""
+        mlp, clusters = self.mlp, recipe.gptq.gate_up_clusters
+        if not clusters or mlp is None or self.fallback or sorted(quantized) != sorted((mlp.gate, mlp.up)) or \
+                any(recipe.method_for(f"{self.prefix}.{n}") != "gptq" for n in quantized):
+            return None
+        labels, token_weights = gate_up_row_weights(hessian_sample(flat, recipe), weights[mlp.gate], weights[mlp.up],
+                                                    mlp.activation_fn(), clusters)
+        n_gate = weights[mlp.gate].shape[0]
+        return {mlp.gate: labels[:n_gate], mlp.up: labels[n_gate:]}, token_weights
+
     @torch.no_grad()
     def _quantize(self, x: torch.Tensor) -> torch.Tensor:
         """Run the group step on the group's input x [B, L, k]; returns x as the members
@@ -213,6 +230,8 @@ class _GroupHook:
             float_target = (weigh(self.float_input if s is None else self.float_input / s, fit_weights),
                             weigh(hessian_sample(flat, recipe).float().clone(), fit_weights))
             self.float_input = None
+        # gptq.gate_up_clusters (not with the float target, whose fit is to the shared Hessian)
+        gate_up = None if expert or float_target is not None else self._gate_up_rows(flat, weights, quantized, recipe)
         # 3. the input each scheme's members compute with: kept for the forward (unless
         # msModelSlim's per-sample running ranges apply there), its real tokens feed GPTQ
         subsample = error_sample(flat)
@@ -226,7 +245,7 @@ class _GroupHook:
         linears = quantize_linears(weights, biases, quantized, seen, subsample, sub_inputs, qparams,
                                    group.row_parallel, recipe, self.prefix,
                                    method="minmax" if self.fallback else None, group_size=group_size,
-                                   float_target=float_target, token_weights=token_weights)
+                                   float_target=float_target, token_weights=token_weights, gate_up=gate_up)
         del float_target
         for name, qlin in linears.items():
             module = self.modules[name]
@@ -442,7 +461,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         if x_float is not None:
             x_float, float_inputs = _float_forward(layer, spec, layer_groups, x_float, kwargs, valid, recipe)
         groups = [_GroupHook(layer, g, prefix, recipe, results, valid, experts if g.expert is not None else None,
-                             float_inputs.pop(g.linears[0], None))        # none for routed experts
+                             float_inputs.pop(g.linears[0], None), spec.mlp)        # none for routed experts
                   for g in layer_groups]
         del float_inputs
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
