@@ -160,7 +160,7 @@ class _GroupHook:
         (group.gate_up_row_weights) when this group is the layer's gated MLP's gate and up, both
         rounded by GPTQ; else None."""
         mlp, clusters = self.mlp, recipe.gptq.gate_up_clusters
-        if not clusters or mlp is None or self.fallback or sorted(quantized) != sorted((mlp.gate, mlp.up)) or \
+        if not clusters or mlp is None or sorted(quantized) != sorted((mlp.gate, mlp.up)) or \
                 any(recipe.method_for(f"{self.prefix}.{n}") != "gptq" for n in quantized):
             return None
         labels, token_weights = gate_up_row_weights(hessian_sample(flat, recipe), weights[mlp.gate], weights[mlp.up],
