@@ -92,6 +92,9 @@ def test_float_target_weight_is_the_damped_least_squares_fit():
     oracle = torch.linalg.lstsq(a, b).solution.t()
     torch.testing.assert_close(fitted.double(), oracle, rtol=1e-4, atol=1e-4)
     assert torch.equal(float_target_weight(w, x_f, x_f), w)       # no drift: the weight itself
+    # gptq.float_target_share: that part of the way from W to the oracle's fit
+    quarter = float_target_weight(w, x_q, x_f, percdamp=0.01, share=0.25)
+    torch.testing.assert_close(quarter.double(), w.double() + 0.25 * (oracle - w.double()), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits,group", [(8, 0), (4, 32)])
@@ -322,6 +325,11 @@ def test_recipe_yaml_round_trip_and_overrides(tmp_path):
     ("scheme: w4a16\nawq: {duo: 1}\n", "awq.rotated, awq.moe and awq.duo must be true or false"),
     ("scheme: w4a16\nweights: {post_norm: maybe}\n", "weights.post_norm must be true or false"),
     ("scheme: w8a16\nweights: {refit: 1}\n", "weights.post_norm must be true or false"),
+    ("scheme: w4a8\ngptq: {float_target: 1}\n", "gptq.float_target must be true or false"),
+    ("scheme: w4a8\ngptq: {float_target_unrotated: 1.5}\n", "float_target_unrotated must be true, false or a share"),
+    ("scheme: w4a8\ngptq: {float_target_unrotated: half}\n", "float_target_unrotated must be true, false or a share"),
+    ("scheme: w4a16\ngptq: {float_target_share: 0}\n", "float_target_share must be a share within"),
+    ("scheme: w4a16\ngptq: {float_target_share: true}\n", "float_target_share must be a share within"),
     ("- just a list\n", "mapping"),
     ("scheme: [\n", "not valid YAML"),
 ])

@@ -237,6 +237,34 @@ def test_the_w4a16_preset_fits_the_float_output_only_when_rotated(tmp_path, save
         assert said is not rotated, result.output
 
 
+def test_the_w4a8_preset_takes_a_quarter_of_the_float_target_when_unrotated(tmp_path, saved, calib_jsonl,
+                                                                            monkeypatch):
+    """W4A8's `float_target_unrotated: 0.25`: the rotated Llama fits the float output in full,
+    Gemma (not rotated) starts GPTQ a quarter of the way there, said in one line; the share
+    reaches the fit of every GPTQ group."""
+    from ascend_quant.calibration import group
+    shares = []
+    real = group.float_target_weight
+
+    def spy(*args, **kw):
+        shares.append(args[4] if len(args) > 4 else kw.get("share", 1.0))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(group, "float_target_weight", spy)
+    common = ["--scheme", "w4a8", "--group-size", "32", "--dataset", calib_jsonl, "--num-samples", "2",
+              "--seq-len", "32", "--threads", "1"]
+    for family, share in (("llama", 1.0), ("gemma3", 0.25)):
+        shares.clear()
+        out = tmp_path / family
+        result = CliRunner().invoke(cli, ["calibrate", str(saved[family]), "-o", str(out), *common])
+        assert result.exit_code == 0, result.output
+        gptq = yaml.safe_load((out / "ascend_quant_recipe.yaml").read_text())["gptq"]
+        assert gptq["float_target"] is True and gptq["float_target_share"] == share, family
+        said = "GPTQ starts 0.25 of the way to the float target's fit: the model is not rotated" in result.output
+        assert said is (share < 1), result.output
+        assert shares and set(shares) == {share}, family
+
+
 def test_smoothquant_alpha_flag_replaces_the_presets_awq_scaling(tmp_path, saved, calib_jsonl):
     """--smoothquant-alpha on an unrotated model: that alpha in every group with a producer,
     not AWQ's search, which the preset would otherwise run there."""

@@ -26,8 +26,8 @@ def hessian(x: torch.Tensor, band: int = 256) -> torch.Tensor:
     return (h.mul_(2.0 / x.shape[0])).double()
 
 
-def float_target_weight(w: torch.Tensor, x_q: torch.Tensor, x_f: torch.Tensor, percdamp: float = 0.01
-                        ) -> torch.Tensor:
+def float_target_weight(w: torch.Tensor, x_q: torch.Tensor, x_f: torch.Tensor, percdamp: float = 0.01,
+                        share: float = 1.0) -> torch.Tensor:
     """The weight [n, k] whose output on the input the layer really gets, x_q [t, k] (after the
     quantized layers before it), best matches the float model's output w x_f (x_f [t, k], the
     same tokens): the ridge least-squares solution W* = W + W D^T X_q (X_q^T X_q + lambda I)^-1
@@ -36,7 +36,8 @@ def float_target_weight(w: torch.Tensor, x_q: torch.Tensor, x_f: torch.Tensor, p
     GPTQ on W* with X_q's Hessian then minimizes |X_f W^T - X_q Q^T|^2, the float target of
     GPTAQ (Li et al., 2025, "asymmetric calibration"): the two differ by a constant, since the
     least-squares residual X_f W^T - X_q W*^T is orthogonal to every X_q V^T (up to the ridge
-    term). So each layer also corrects the drift the quantized layers before it left."""
+    term). So each layer also corrects the drift the quantized layers before it left.
+    `share` < 1 moves W only that part of the way to W* (`gptq.float_target_share`)."""
     xq = x_q.reshape(-1, x_q.shape[-1]).float()
     d = x_f.reshape(-1, x_f.shape[-1]).float() - xq
     h = (xq.t() @ xq).double()                       # float32 products, a float64 solve
@@ -47,7 +48,7 @@ def float_target_weight(w: torch.Tensor, x_q: torch.Tensor, x_f: torch.Tensor, p
     L, info = torch.linalg.cholesky_ex(h)
     if info.item() != 0:                             # not positive definite even damped: no correction
         return w.float()
-    return (w.double() + torch.cholesky_solve(rhs, L).t()).float()
+    return (w.double() + share * torch.cholesky_solve(rhs, L).t()).float()
 
 
 def _inverse_cholesky_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:

@@ -497,7 +497,7 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
         if names:
             rows = [originals[n].shape[0] for n in names]
             fitted = float_target_weight(torch.cat([originals[n] for n in names]), float_target[1],
-                                         float_target[0], recipe.gptq.damp)
+                                         float_target[0], recipe.gptq.damp, recipe.gptq.float_target_share)
             targets.update(zip(names, fitted.split(rows)))
     plans = {name: _plan(name, scheme, targets[name], recipe, prefix, method, group_size,
                          inputs.get(scheme), token_weights) for name, scheme in quantized.items()}

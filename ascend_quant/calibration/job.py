@@ -296,9 +296,15 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
     if skipped_online:
         say(f"no online rotation: {skipped_online.split(': ', 1)[-1]}")
         recipe = replace(recipe, online_rotation=None)
-    if recipe.gptq.float_target and not recipe.gptq.float_target_unrotated and rotated is None:
-        say("GPTQ fits each Linear's own output: the model is not rotated (gptq.float_target_unrotated: false)")
-        recipe = replace(recipe, gptq=replace(recipe.gptq, float_target=False))
+    unrotated = recipe.gptq.float_target_unrotated
+    if recipe.gptq.float_target and rotated is None and unrotated is not True and unrotated < 1:
+        if not unrotated:
+            say("GPTQ fits each Linear's own output: the model is not rotated (gptq.float_target_unrotated: false)")
+            recipe = replace(recipe, gptq=replace(recipe.gptq, float_target=False))
+        else:
+            say(f"GPTQ starts {unrotated:g} of the way to the float target's fit: the model is not rotated "
+                f"(gptq.float_target_unrotated: {unrotated:g})")
+            recipe = replace(recipe, gptq=replace(recipe.gptq, float_target_share=unrotated))
     if recipe.awq is not None and not recipe.awq.moe and spec.moe is not None:
         say("no AWQ: a Mixture-of-Experts model (awq.moe: false)")
         recipe = replace(recipe, awq=None)

@@ -80,9 +80,13 @@ class GPTQ:
     # a float copy of the layers alongside), not to its own unquantized output on the input the
     # quantized layers before it produce: GPTAQ's asymmetric calibration (gptq.float_target_weight)
     float_target: bool = False
-    # False: float_target only where the model is rotated (W4A16's preset: on unrotated Gemma-3
-    # it lost 2.7 points, on rotated SmolLM2 it won 0.4 to 1.1)
-    float_target_unrotated: bool = True
+    # where the model is not rotated: true, the float target as above; false, none (W4A16's
+    # preset: on unrotated Gemma-3 it lost 2.7 points, on rotated SmolLM2 it won 0.4 to 1.1);
+    # a number in (0, 1), that float_target_share there (W4A8's preset: 0.25)
+    float_target_unrotated: bool | float = True
+    # the part of the way from W to the float target's fit W* that GPTQ starts from (1: W*;
+    # less shrinks the fit's correction, which overshoots on unrotated Gemma-3)
+    float_target_share: float = 1.0
     # where float_target applies, GPTQ's Hessian and the float-target fit take at most this
     # many tokens instead of hessian_tokens (0: all): the fit solves for k weights per output
     # row, which a sample of a few k tokens may overfit (W4A16 on rotated SmolLM2, stop 39)
@@ -348,8 +352,15 @@ def validate(recipe: Recipe, where: str = "recipe") -> None:
         raise RecipeError(f"{where}: awq alphas must be within [0, 1], clip_min within (0, 1], clip_grid a count >= 1")
     if awq and not all(isinstance(v, bool) for v in (awq.rotated, awq.moe, awq.duo)):
         raise RecipeError(f"{where}: awq.rotated, awq.moe and awq.duo must be true or false")
-    if not all(isinstance(v, bool) for v in (recipe.gptq.float_target, recipe.gptq.float_target_unrotated)):
-        raise RecipeError(f"{where}: gptq.float_target and gptq.float_target_unrotated must be true or false")
+    g = recipe.gptq
+    if not isinstance(g.float_target, bool):
+        raise RecipeError(f"{where}: gptq.float_target must be true or false")
+    if not (isinstance(g.float_target_unrotated, (bool, int, float)) and 0 <= g.float_target_unrotated <= 1):
+        raise RecipeError(f"{where}: gptq.float_target_unrotated must be true, false or a share within [0, 1], "
+                          f"got {g.float_target_unrotated!r}")
+    if not (isinstance(g.float_target_share, (int, float)) and not isinstance(g.float_target_share, bool)
+            and 0 < g.float_target_share <= 1):
+        raise RecipeError(f"{where}: gptq.float_target_share must be a share within (0, 1], got {g.float_target_share!r}")
     if not all(isinstance(v, bool) for v in (recipe.weights.symmetric, recipe.weights.refit, recipe.weights.post_norm)):
         raise RecipeError(f"{where}: weights.symmetric, weights.refit and weights.post_norm must be true or false")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
