@@ -297,7 +297,7 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
         say(f"no online rotation: {skipped_online.split(': ', 1)[-1]}")
         recipe = replace(recipe, online_rotation=None)
     unrotated = recipe.gptq.float_target_unrotated
-    if recipe.gptq.float_target and rotated is None and unrotated is not True and unrotated < 1:
+    if recipe.gptq.float_target and rotated is None and unrotated < 1:
         if not unrotated:
             say("GPTQ fits each Linear's own output: the model is not rotated (gptq.float_target_unrotated: false)")
             recipe = replace(recipe, gptq=replace(recipe.gptq, float_target=False))
