@@ -59,7 +59,11 @@ def main() -> None:
     layers = spec_for_model(model).layers(model)
     linears = {f"{i}.{name}": m for i, layer in enumerate(layers)
                for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-    roles = args.roles.split(",") if args.roles else list(dict.fromkeys(k.rsplit(".", 1)[1] for k in linears))
+    names = list(dict.fromkeys(k.rsplit(".", 1)[1] for k in linears))
+    roles = args.roles.split(",") if args.roles else names
+    unknown = [r for r in roles if r not in names]
+    if unknown:
+        raise SystemExit(f"error: no Linear named {', '.join(unknown)} in the layers (they have {', '.join(names)})")
     original = {k: m.weight.detach().clone() for k, m in linears.items()}
     steps = {k: numerics.weight_scale(w, 8) for k, w in original.items()}       # [n, 1] per channel
 
