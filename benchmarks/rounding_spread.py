@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,7 +64,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"error: no Linear named {', '.join(unknown)} in the layers (they have {', '.join(names)})")
     original = {k: m.weight.detach().clone() for k, m in linears.items()}
-    steps = {k: numerics.weight_scale(w, 8) for k, w in original.items()}       # [n, 1] per channel
+    rounded = {k: numerics.fake_quantize_weight(w, numerics.weight_scale(w, 8), 8)     # per channel
+               for k, w in original.items()}
 
     def score(weights: dict[str, torch.Tensor]) -> float:
         for k, m in linears.items():
@@ -81,13 +81,13 @@ def main() -> None:
     rows = []
     for role in [*roles, "all"]:
         keys = members(role)
-        rtn = score({k: numerics.fake_quantize_weight(original[k], steps[k], 8) for k in keys})
+        rtn = score({k: rounded[k] for k in keys})
         row = {"role": role, "linears": len(keys), "rtn_pct": 100 * (rtn / float_ppl - 1), "draws_pct": []}
         for draw in range(args.draws):
             g = torch.Generator().manual_seed(draw)
             noisy = {}
             for k in keys:
-                error = (numerics.fake_quantize_weight(original[k], steps[k], 8) - original[k]).abs()
+                error = (rounded[k] - original[k]).abs()
                 sign = torch.randint(0, 2, error.shape, generator=g).float() * 2 - 1
                 noisy[k] = original[k] + sign * error
             row["draws_pct"].append(100 * (score(noisy) / float_ppl - 1))
