@@ -48,6 +48,8 @@ def main() -> None:
     from choose_preset import split_texts
     from runtime import cpu_description
 
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"error: {args.model}: no model folder (config.json) there")
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else assets.reference_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
