@@ -119,6 +119,25 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor,
     return x * scale
 
 
+def unrounded_codes(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """`w / scale [+ offset]` in float32: the values `quantize` rounds and clamps into codes."""
+    k = w.shape[-1]
+    x = w.float() / expand_groups(scale.float(), k)
+    return x if offset is None else x + expand_groups(offset.float(), k)
+
+
+def tuned_weight(unrounded: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gain: torch.Tensor,
+                 offset: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Block tuning's weight (calibration/blocktune.py): the codes `clamp(round(unrounded +
+    shift))` dequantized with `scale * (1 + gain)`. The rounding passes gradients through as if
+    it were the identity (the straight-through estimator), so `shift` [n, k] and `gain` (shaped
+    as `scale`) get gradients; at zero shift and gain this is `dequantize(q, scale, offset)`."""
+    qmin, qmax = qrange(bits)
+    x = unrounded + shift
+    codes = torch.clamp(x + (torch.round(x) - x).detach(), qmin, qmax)
+    return dequantize(codes, scale * (1 + gain), offset)
+
+
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric min-max quantization of a weight: returns (int8 [n, k], scale)."""

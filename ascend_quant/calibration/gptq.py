@@ -79,7 +79,8 @@ def _inverse_cholesky_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int = 0,
                   percdamp: float = 0.01, blocksize: int = 128, act_order: bool = False,
                   mse_scales: bool = True, scale: torch.Tensor | None = None, native_sweep: bool = True,
-                  offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  offset: torch.Tensor | None = None, unrounded: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (q int8 [n, k] in the original column order, scale [n, 1] or [n, k // g]).
 
     Scales are fixed before the column sweep (per channel from W, per group from W's
@@ -123,6 +124,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
     Wt, St = W.t().contiguous(), scale_full.t().contiguous()
     del W, scale_full
     Qt = torch.empty_like(Wt)
+    Ut = torch.empty_like(Wt) if unrounded is not None else None
     lib = native.GPTQ.load() if native_sweep else None
     for i1 in range(0, k, blocksize):
         i2 = min(i1 + blocksize, k)
@@ -139,9 +141,13 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int =
                 torch.addcmul(w, q, s, value=-1.0, out=err).mul_(inv_diag[i])   # (w - q s) / Hinv[i, i]
                 if i + 1 < i2 - i1:
                     W1[i + 1:].addr_(Hinv1[i, i + 1:], err, alpha=-1.0)
+        if Ut is not None:       # err = (w - q s) / Hinv_ii, so the column rounded was w / s = q + err Hinv_ii / s
+            torch.addcdiv(Qt[i1:i2], Err1 * torch.diagonal(Hinv1)[:, None], St[i1:i2], out=Ut[i1:i2])
         if i2 < k:
             Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
     inv = torch.argsort(perm)
+    if Ut is not None:
+        unrounded.copy_(Ut[inv].t())
     return Qt[inv].t().to(torch.int8).contiguous(), scale.float()
 
 

@@ -386,23 +386,27 @@ def gate_up_row_weights(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tenso
 
 
 def _gptq_by_cluster(w: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor, x: torch.Tensor,
-                     bits: int, gs: int, g, scale: torch.Tensor | None, offset: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     bits: int, gs: int, g, scale: torch.Tensor | None, offset: torch.Tensor | None,
+                     unrounded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ on rows w [n, k] cluster by cluster (`labels` [n]), cluster c on the Hessian of
-    tokens x [t, k] weighted by token_weights[c] [t]; fixed `scale` / `offset` rows go along."""
+    tokens x [t, k] weighted by token_weights[c] [t]; fixed `scale` / `offset` rows go along
+    (and `unrounded` is filled as `gptq_quantize` fills it)."""
     q = torch.empty(w.shape, dtype=torch.int8)
     scales: torch.Tensor | None = None
     for c in range(token_weights.shape[0]):
         rows = (labels == c).nonzero().flatten()
         if not rows.numel():
             continue
+        values = None if unrounded is None else torch.empty(rows.numel(), w.shape[1])
         qc, sc = gptq_quantize(w[rows], hessian(x * token_weights[c].sqrt()[:, None].to(x.dtype)), bits, gs,
                                g.damp, g.block_size, g.act_order, g.mse_scales,
                                scale=None if scale is None else scale[rows],
-                               offset=None if offset is None else offset[rows])
+                               offset=None if offset is None else offset[rows], unrounded=values)
         if scales is None:
             scales = torch.empty(w.shape[0], sc.shape[1], dtype=sc.dtype)
         q[rows], scales[rows] = qc, sc
+        if unrounded is not None:
+            unrounded[rows] = values
     return q, scales
 
 
@@ -415,8 +419,11 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
     `hessians[scheme]`, that Hessian already formed).
     Members of one scheme share that input, so their GPTQ runs once on the rows stacked;
     `gate_up` (`gate_up_row_weights`: labels by member, cluster token weights at the Hessian's
-    tokens), where it names a batch's members, makes that batch's GPTQ run per row cluster."""
+    tokens), where it names a batch's members, makes that batch's GPTQ run per row cluster.
+    With the recipe's `tune` each plan also gets `unrounded` [n, k], the values its codes were
+    rounded from in code units (calibration/blocktune.py moves the rounding around them)."""
     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    keep_values = recipe.tune is not None
     batches: dict[tuple, list[str]] = {}
     for name, plan in plans.items():
         bits = SCHEMES[plan["scheme"]].weight_bits
@@ -426,6 +433,8 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
         else:
             scale = plan["fixed"] if plan["fixed"] is not None else numerics.weight_scale(plan["w"], bits, plan["gs"])
             rounded[name] = (numerics.quantize(plan["w"], scale, bits, plan["offset"]), scale)
+            if keep_values:
+                plan["unrounded"] = numerics.unrounded_codes(plan["w"], scale, plan["offset"])
     hessians = dict(hessians or {})
 
     def hessian_of(scheme: str) -> torch.Tensor:
@@ -438,17 +447,20 @@ def _round(plans: dict[str, dict], inputs: dict[str, torch.Tensor], recipe: Reci
         rows = [plans[n]["w"].shape[0] for n in names]
         fixed = torch.cat([plans[n]["fixed"] for n in names]) if has_fixed else None
         offset = torch.cat([plans[n]["offset"] for n in names]) if has_offset else None
+        values = torch.empty(sum(rows), plans[names[0]]["w"].shape[1]) if keep_values else None
         if gate_up is not None and sorted(names) == sorted(gate_up[0]):
             q, scale = _gptq_by_cluster(torch.cat([plans[n]["w"] for n in names]),
                                         torch.cat([gate_up[0][n] for n in names]), gate_up[1],
                                         hessian_sample(inputs[scheme], recipe, token_weights),
-                                        SCHEMES[scheme].weight_bits, gs, g, fixed, offset)
-            rounded.update(zip(names, zip(q.split(rows), scale.split(rows))))
-            continue
-        q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]), hessian_of(scheme),
-                                 SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
-                                 g.mse_scales, scale=fixed, offset=offset)
+                                        SCHEMES[scheme].weight_bits, gs, g, fixed, offset, values)
+        else:
+            q, scale = gptq_quantize(torch.cat([plans[n]["w"] for n in names]), hessian_of(scheme),
+                                     SCHEMES[scheme].weight_bits, gs, g.damp, g.block_size, g.act_order,
+                                     g.mse_scales, scale=fixed, offset=offset, unrounded=values)
         rounded.update(zip(names, zip(q.split(rows), scale.split(rows))))
+        if values is not None:
+            for n, v in zip(names, values.split(rows)):
+                plans[n]["unrounded"] = v
     if recipe.weights.refit:
         for name, plan in plans.items():
             x = inputs.get(plan["scheme"])
@@ -511,6 +523,7 @@ def quantize_linears(weights: dict[str, torch.Tensor], biases: dict[str, torch.T
                                qparams.input_scale, qparams.input_offset, running=qparams.running,
                                row_parallel=row_parallel, offset=plan["offset"])
         qlin.clip_ratio = plan["clip"]
+        qlin.unrounded = plan.get("unrounded")
         wq = qlin.dequantized()
         ref = subsample @ w.t()
         err = sub_inputs[scheme] @ wq.t() - ref

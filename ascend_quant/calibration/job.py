@@ -403,6 +403,9 @@ def calibrate(model_id: str, out: str | Path, recipe: Recipe, dataset: str | Non
                                   "errors": r.errors, "smoothquant_alphas": r.alphas,
                                   **({"awq_alphas": r.awq_alphas} if r.awq_alphas else {}),
                                   **({"clip_ratios": r.clip_ratios} if r.clip_ratios else {}),
+                                  **({"tune": {"error_before": r.tune.before, "error_after": r.tune.after,
+                                               "kept": r.tune.kept, "codes_moved": r.tune.moved}}
+                                     if r.tune is not None else {}),
                                   **({"expert_tokens": r.expert_tokens, "expert_fallbacks": r.fallbacks}
                                      if r.expert_tokens else {})} for r in reports]}, indent=2)}
         files.update(extra_files or {})

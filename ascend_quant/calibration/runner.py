@@ -37,7 +37,7 @@ from ascend_quant.calibration.group import (choose_awq, choose_smoothing, error_
                                             observe_activations,
                                             output_norm_weights, quantize_linears, smooths, weigh)
 from ascend_quant.calibration.kv import KVObserver, fake_quant_kv
-from ascend_quant.calibration import online_rotation
+from ascend_quant.calibration import blocktune, online_rotation
 from ascend_quant.calibration.recipe import Recipe
 from ascend_quant.calibration.smoothquant import apply_smoothing
 from ascend_quant.schemes import SCHEMES, QuantizedLinear, is_float
@@ -63,6 +63,7 @@ class LayerReport:
     # smoothed or AWQ-scaled dense group -> its factor s (input channels), for the quality
     # budget's mixed-model simulation (calibration/budget.py); not written to the report
     factors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tune: blocktune.TuneResult | None = None          # the recipe's tune: what block tuning did
 
 
 # --------------------------------------------------------------------------- hooks
@@ -340,6 +341,36 @@ def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
 
 # ---------------------------------------------------------------------- the layers
 
+def _float_copy(layer: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `layer` as it is now (before calibration touches it: float) without the
+    calibration's hooks."""
+    ref = copy.deepcopy(layer)
+    for m in ref.modules():          # a deep copy carries the layer's hooks along: not on the float copy
+        m._forward_pre_hooks.clear()
+        m._forward_hooks.clear()
+    for m in online_rotation.rotated_modules(ref):       # but an online input rotation is the model's
+        online_rotation.attach(m)
+    return ref
+
+
+@torch.no_grad()
+def _tuned_pass(layer, spec: ArchSpec, attention, x: torch.Tensor, kwargs: dict, recipe: Recipe,
+                valid: torch.Tensor) -> tuple[torch.Tensor, _KVQuantizer | None]:
+    """The layer once more after block tuning moved its codes: its output, and with C8 the K/V
+    scales of the tuned K/V."""
+    kvq = None
+    if attention is not None:
+        kvq = _KVQuantizer(recipe.kv_cache.method, valid)
+        setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+    try:
+        with lean_mlp(layer, spec):
+            out = layer(x, **kwargs)
+    finally:
+        if kvq is not None:
+            delattr(attention, _KV_HOOK_ATTR)
+    return (out[0] if isinstance(out, tuple) else out), kvq
+
+
 @torch.no_grad()
 def _float_forward(layer, spec: ArchSpec, groups: tuple[LinearGroup, ...], x: torch.Tensor, kwargs: dict,
                    valid: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -347,12 +378,7 @@ def _float_forward(layer, spec: ArchSpec, groups: tuple[LinearGroup, ...], x: to
     float model's hidden states x. Returns its output (the next layer's float input) and, per
     dense group (by its first member), the group's input at GPTQ's Hessian tokens. Routed
     experts get none: their tokens differ between the float and the quantized model."""
-    ref = copy.deepcopy(layer)
-    for m in ref.modules():          # a deep copy carries the layer's hooks along: not on the float copy
-        m._forward_pre_hooks.clear()
-        m._forward_hooks.clear()
-    for m in online_rotation.rotated_modules(ref):       # but an online input rotation is the model's
-        online_rotation.attach(m)
+    ref = _float_copy(layer)
     mask = valid.reshape(-1)
     all_valid = bool(mask.all())
     captured: dict[str, torch.Tensor] = {}
@@ -444,6 +470,8 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     x_float = x.clone() if recipe.gptq.float_target and recipe.activations.observer != "running" else None
     if x_float is not None:
         recipe = replace(recipe, gptq=replace(recipe.gptq, hessian_tokens=recipe.gptq.float_target_tokens))
+    # tune with the float model's hidden states as the target, where gptq.float_target does not run them
+    x_tune = x.clone() if recipe.tune is not None and recipe.tune.target == "float" and x_float is None else None
     rotations = torch.Generator().manual_seed(recipe.online_rotation.seed) if recipe.online_rotation else None
     for i, layer in enumerate(layers):
         start = time.perf_counter()
@@ -457,6 +485,10 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
             expert_scheme(spec, layer_groups, prefix, recipe)
             experts.token_mask, experts.counts = valid.reshape(-1), {}
             experts.all_tokens = recipe.moe.tokens == "all"
+        running = recipe.activations.observer == "running"
+        # tune: the float layer's output is the target (with the float target, the float model's)
+        tune = recipe.tune is not None and experts is None and not running
+        reference = _float_copy(layer) if x_float is None and (tune or x_tune is not None) else None
         float_inputs: dict[str, torch.Tensor] = {}
         if x_float is not None:
             x_float, float_inputs = _float_forward(layer, spec, layer_groups, x_float, kwargs, valid, recipe)
@@ -470,7 +502,6 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
             raise CalibrationError(f"{spec.name}: no attention module {spec.attention!r} for the int8 KV cache "
                                    "(see the spec's notes)")
         attention = layer.get_submodule(spec.attention) if recipe.kv_cache else None
-        running = recipe.activations.observer == "running"
         if recipe.kv_cache and not running:
             kvq = _KVQuantizer(recipe.kv_cache.method, valid)
             setattr(attention, _KV_HOOK_ATTR, kvq.hook)
@@ -492,6 +523,24 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
         if running and recipe.kv_cache:
             # msModelSlim's dynamic_cache unit: a second pass with the final ranges, observing K/V
             x, kvq = _final_pass(layer, attention, x_in, kwargs, results, prefix, recipe, valid)
+        tuned = None
+        if x_tune is not None:               # the float model's hidden states, one layer on
+            x_tune = blocktune.layer_outputs(reference, x_tune, kwargs)
+        if tune:
+            if x_float is not None:
+                target = x_float
+            elif x_tune is not None:
+                target = x_tune
+            else:
+                target = blocktune.layer_outputs(reference, x_in, kwargs)
+            tuned = blocktune.tune_layer(layer, prefix, results, x_in, target, kwargs, valid, recipe.tune, seed=i)
+            del target
+            if tuned is not None and tuned.kept:
+                x, kvq = _tuned_pass(layer, spec, attention, x_in, kwargs, recipe, valid)
+        del reference
+        for name in results:
+            if name.startswith(prefix + "."):
+                results[name].unrounded = None
         if not _all_finite(x):
             raise CalibrationError(f"NaN or Inf in the output of {prefix} after quantization")
         if kvq is not None:
@@ -507,6 +556,7 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                             if n.rpartition(".")[0] not in touched and f"{prefix}.{n.rpartition('.')[0]}" not in results])
         memory.trim()                       # this layer's temporaries, back to the system
         report = _layer_report(i, time.perf_counter() - start, groups, results, prefix, experts, spec)
+        report.tune = tuned
         reports.append(report)
         if spill is not None:                # the layer is final: its quantized Linears leave memory
             spill({n: results.pop(n) for n in [n for n in results if n.startswith(prefix + ".")]})
@@ -555,7 +605,9 @@ def format_reports(reports: list[LayerReport]) -> str:
     short = ["e*." + leaf if "*" in n else ".".join(n.split(".")[-2:]) if leaves.count(leaf) > 1 else leaf
              for n, leaf in zip(names, leaves)]
     widths = [max(9, len(s)) for s in short]
-    lines = [f"{'layer':>5}  {'seconds':>7}  " + "  ".join(f"{s:>{w}}" for s, w in zip(short, widths))]
+    tuned = any(r.tune is not None for r in reports)
+    lines = [f"{'layer':>5}  {'seconds':>7}  " + "  ".join(f"{s:>{w}}" for s, w in zip(short, widths))
+             + ("  tune" if tuned else "")]
     for r in reports:
         cells = []
         for n, w in zip(names, widths):
@@ -566,10 +618,16 @@ def format_reports(reports: list[LayerReport]) -> str:
                 cells.append(f"{'float':>{w}}")
             else:                            # experts: the worst one
                 cells.append(f"{max(r.errors.get(m, 0.0) for m in members):>{w}.4f}")
+        if tuned:
+            t = r.tune
+            cells.append("    -" if t is None else f"{t.after / max(t.before, 1e-30):5.2f}" + ("" if t.kept else "*"))
         lines.append(f"{r.index:>5}  {r.seconds:>7.2f}  " + "  ".join(cells))
     schemes = sorted({s for r in reports for s in r.schemes.values()})
     lines.append(f"(relative output error per Linear on calibration tokens, experts: the worst; "
                  f"schemes: {', '.join(schemes)})")
+    if tuned:
+        lines.append("(tune: the layer's output error after block tuning over before, on calibration samples; "
+                     "* not kept: the rounding's codes stay; the per-Linear errors are from before tuning)")
     for r in reports:
         if r.fallbacks:
             shown = ", ".join(f"{e} ({n} tokens)" for e, n in r.fallbacks.items())

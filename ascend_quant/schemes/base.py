@@ -66,6 +66,9 @@ class QuantizedLinear:
     offset: torch.Tensor | None = None       # weight zero points (None: symmetric)
     error: float = 0.0                       # calibration: relative output error on calibration tokens
     clip_ratio: float | None = None          # calibration: mean AWQ clip ratio (None: no clip search)
+    # calibration with the recipe's `tune`: the values [n, k] q was rounded from, in code units
+    # (q = clamp(round(unrounded))); dropped once the layer is tuned
+    unrounded: torch.Tensor | None = None
 
     def effective_scale(self) -> torch.Tensor:
         """The scale per weight group as calibration rounds with it (two-stage: s2 * s1; the NPU
