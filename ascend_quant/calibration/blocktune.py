@@ -82,11 +82,16 @@ def layer_outputs(layer, x: torch.Tensor, kwargs: dict, chunk: int = 8) -> torch
                       for i in range(0, n, chunk)])
 
 
+def _errors(out: torch.Tensor, target: torch.Tensor, inv_power: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each real token's squared error relative to its target's mean square, per channel: the
+    next layer's input norm divides each token by its RMS, so that is the error it passes on (a
+    plain squared error would be ruled by the few tokens with huge hidden states)."""
+    return ((out - target).square() * inv_power)[valid]
+
+
 def _loss(out: torch.Tensor, target: torch.Tensor, inv_power: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Mean over the real tokens of each token's squared error relative to its target's mean
-    square: the next layer's input norm divides each token by its RMS, so that is the error it
-    passes on (a plain squared error would be ruled by the few tokens with huge hidden states)."""
-    return ((out - target).square() * inv_power)[valid].mean()
+    """The mean of `_errors`: what the steps descend."""
+    return _errors(out, target, inv_power, valid).mean()
 
 
 @torch.no_grad()
@@ -95,7 +100,7 @@ def _error(layer, weights, x, target, inv_power, kwargs, valid, chunk: int = 8) 
     n, total, count = x.shape[0], 0.0, 0
     for i in range(0, n, chunk):
         index = torch.arange(i, min(i + chunk, n))
-        d = ((_forward(layer, weights, x, kwargs, index) - target[index]).square() * inv_power[index])[valid[index]]
+        d = _errors(_forward(layer, weights, x, kwargs, index), target[index], inv_power[index], valid[index])
         total += d.double().sum().item()
         count += d.numel()
     return total / max(count, 1)

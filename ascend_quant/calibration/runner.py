@@ -471,7 +471,9 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
     if x_float is not None:
         recipe = replace(recipe, gptq=replace(recipe.gptq, hessian_tokens=recipe.gptq.float_target_tokens))
     # tune with the float model's hidden states as the target, where gptq.float_target does not run them
-    x_tune = x.clone() if recipe.tune is not None and recipe.tune.target == "float" and x_float is None else None
+    # (not with the running observer, which no layer is tuned under)
+    x_tune = x.clone() if recipe.tune is not None and recipe.tune.target == "float" and x_float is None \
+        and recipe.activations.observer != "running" else None
     rotations = torch.Generator().manual_seed(recipe.online_rotation.seed) if recipe.online_rotation else None
     for i, layer in enumerate(layers):
         start = time.perf_counter()
