@@ -19,6 +19,7 @@ report, and a layer's experts take one scheme with per-token (or no) activation 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import time
@@ -318,6 +319,24 @@ class _ObserveOnlyKV(_KVQuantizer):
         return key, value
 
 
+@contextlib.contextmanager
+def _kv_hooked(attention, kvq: _KVQuantizer | None):
+    """`kvq`'s hook on `attention` for the block's forwards (nothing where kvq is None)."""
+    if kvq is None:
+        yield
+        return
+    setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+    try:
+        yield
+    finally:
+        delattr(attention, _KV_HOOK_ATTR)
+
+
+def _hidden_states(out):
+    """A decoder layer's output hidden states (some families return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
     """Run a layer again with every static range final, observing K/V only."""
     handles = []
@@ -329,14 +348,13 @@ def _final_pass(layer, attention, x, kwargs, results, prefix, recipe, valid):
             handles.append(module.register_forward_pre_hook(
                 lambda m, args, final=final: (SCHEMES[final.scheme].fake_quant_input(args[0], final),)))
     kvq = _ObserveOnlyKV(recipe.kv_cache.method, valid)
-    setattr(attention, _KV_HOOK_ATTR, kvq.hook)
     try:
-        out = layer(x, **kwargs)
+        with _kv_hooked(attention, kvq):
+            out = layer(x, **kwargs)
     finally:
         for h in handles:
             h.remove()
-        delattr(attention, _KV_HOOK_ATTR)
-    return (out[0] if isinstance(out, tuple) else out), kvq
+    return _hidden_states(out), kvq
 
 
 # ---------------------------------------------------------------------- the layers
@@ -358,17 +376,10 @@ def _tuned_pass(layer, spec: ArchSpec, attention, x: torch.Tensor, kwargs: dict,
                 valid: torch.Tensor) -> tuple[torch.Tensor, _KVQuantizer | None]:
     """The layer once more after block tuning moved its codes: its output, and with C8 the K/V
     scales of the tuned K/V."""
-    kvq = None
-    if attention is not None:
-        kvq = _KVQuantizer(recipe.kv_cache.method, valid)
-        setattr(attention, _KV_HOOK_ATTR, kvq.hook)
-    try:
-        with lean_mlp(layer, spec):
-            out = layer(x, **kwargs)
-    finally:
-        if kvq is not None:
-            delattr(attention, _KV_HOOK_ATTR)
-    return (out[0] if isinstance(out, tuple) else out), kvq
+    kvq = _KVQuantizer(recipe.kv_cache.method, valid) if attention is not None else None
+    with _kv_hooked(attention, kvq), lean_mlp(layer, spec):
+        out = layer(x, **kwargs)
+    return _hidden_states(out), kvq
 
 
 @torch.no_grad()
@@ -398,7 +409,7 @@ def _float_forward(layer, spec: ArchSpec, groups: tuple[LinearGroup, ...], x: to
     finally:
         for h in handles:
             h.remove()
-    return (out[0] if isinstance(out, tuple) else out), captured
+    return _hidden_states(out), captured
 
 
 @torch.no_grad()
@@ -499,26 +510,21 @@ def quantize_model(model, samples: torch.Tensor, recipe: Recipe, progress=None,
                   for g in layer_groups]
         del float_inputs
         handles = [m.register_forward_pre_hook(gq.pre_hook) for gq in groups for m in gq.modules.values()]
-        kvq = None
         if recipe.kv_cache and spec.missing_modules(layer, [spec.attention]):
             raise CalibrationError(f"{spec.name}: no attention module {spec.attention!r} for the int8 KV cache "
                                    "(see the spec's notes)")
         attention = layer.get_submodule(spec.attention) if recipe.kv_cache else None
-        if recipe.kv_cache and not running:
-            kvq = _KVQuantizer(recipe.kv_cache.method, valid)
-            setattr(attention, _KV_HOOK_ATTR, kvq.hook)
+        kvq = _KVQuantizer(recipe.kv_cache.method, valid) if recipe.kv_cache and not running else None
         x_in = x
         try:
-            with lean_mlp(layer, spec):
+            with _kv_hooked(attention, kvq), lean_mlp(layer, spec):
                 out = layer(x, **kwargs)
         finally:
             for h in handles:
                 h.remove()
-            if kvq is not None:
-                delattr(attention, _KV_HOOK_ATTR)
             if experts is not None:
                 experts.token_mask, experts.all_tokens = None, False
-        x = out[0] if isinstance(out, tuple) else out
+        x = _hidden_states(out)
         for gq in groups:                   # experts the router sent no token
             if gq.experts is not None and not gq.fed:
                 gq.quantize_unreached()
