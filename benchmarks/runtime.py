@@ -30,7 +30,7 @@ do not depend on calibration quality) under ~/.cache/ascend-quant/bench-*.
 
     python benchmarks/runtime.py --threads 1 --no-e2e --out benchmarks/results/runtime
     python benchmarks/runtime.py --threads 2 --phases '' --ct LLMC_W8A8 --out benchmarks/results/runtime-e2e
-    -> *.json, *.md (and runtime.png when matplotlib is importable)
+    -> *.json, *.md (and, when matplotlib is importable, *.png for the kernels, *-e2e.png end to end)
 """
 
 from __future__ import annotations
@@ -442,6 +442,40 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+def plot_e2e(e2e: dict, path: Path) -> bool:
+    """Prefill and decode tok/s per engine (the fastest round), each bar labelled with its ratio to
+    bf16 where bf16 ran; False where matplotlib is not installed or no engine has figures."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    engines = {name: r for name, r in e2e["engines"].items() if r.get("prefill_tok_s") and r.get("decode_tok_s")}
+    if not engines:
+        return False
+    names = list(engines)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.6), sharey=True)
+    for ax, key, title in ((axes[0], "prefill_tok_s", "prefill tok/s"), (axes[1], "decode_tok_s", "decode tok/s")):
+        values = [engines[n][key] for n in names]
+        base = engines["bf16"][key] if "bf16" in engines else None
+        bars = ax.barh(range(len(names)), values, color=["#7f7f7f" if n in ("bf16", "fp32") else "#1f77b4"
+                                                         for n in names])
+        for bar, v in zip(bars, values):
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                    f" {v:.0f}" + (f" ({v / base:.2f}x bf16)" if base else ""), va="center", fontsize=7)
+        ax.set_xlabel(title)
+        ax.set_xlim(0, max(values) * 1.35)
+    axes[0].set_yticks(range(len(names)), names, fontsize=8)
+    axes[0].invert_yaxis()
+    mode = "compiled" if e2e.get("compiled") else "enforce_eager"
+    fig.suptitle(f"vLLM end to end, {e2e.get('threads')} thread(s), {mode}: {e2e.get('cpu', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (pinned; default 1)")
@@ -486,10 +520,15 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(full_markdown(result))
-    made_plot = bool(result["rows"]) and plot(result, out.with_suffix(".png"))
+    plots = []
+    if result["rows"] and plot(result, out.with_suffix(".png")):
+        plots.append(out.with_suffix(".png"))
+    e2e_png = out.with_name(out.name + "-e2e.png")
+    if "e2e" in result and plot_e2e(result["e2e"], e2e_png):
+        plots.append(e2e_png)
     print(full_markdown(result))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}"
-          + (f", {out.with_suffix('.png')}" if made_plot else " (no plot: matplotlib not installed)"))
+          + ("".join(f", {p}" for p in plots) if plots else " (no plot: matplotlib not installed)"))
     return 0
 
 
