@@ -93,11 +93,9 @@ def markdown(res: dict, command: str, cpu: str) -> str:
 
 
 def plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from runtime import pyplot       # benchmarks/ is on sys.path when run as a script
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     keys = ["native", "avx2", "torch"]

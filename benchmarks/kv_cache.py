@@ -213,11 +213,9 @@ def main() -> None:
 def plot(r: dict, path: Path) -> bool:
     """Prefill and decode tok/s per concurrency, vLLM's bf16 pages beside our int8 ones, each
     int8 bar labelled with its ratio; False where matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from runtime import pyplot       # benchmarks/ is on sys.path when run as a script
+    plt = pyplot()
+    if plt is None:
         return False
     # keyed by the concurrency: ints in this process, strings once read back from the JSON
     b, i = ({str(c): v for c, v in r["engines"][e]["throughput"].items()} for e in ("bf16", "int8"))

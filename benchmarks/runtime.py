@@ -418,12 +418,21 @@ def full_markdown(result: dict) -> str:
     return "\n".join(parts)
 
 
-def plot(result: dict, path: Path) -> bool:
+def pyplot():
+    """matplotlib's pyplot drawing to files only (the Agg backend), or None where matplotlib is not
+    installed (`make install` brings it: the `bench` extra). The benchmarks' plots all start here."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot(result: dict, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
     keys = ["fp32_matmul", "int_mm", "int8_gemm_f32_exact", "w8a8_dynamic_linear_bf16", "w8a8_static_linear_bf16"]
     labels = [f"{r['phase']}\n{r['layer']}" for r in result["rows"]]
@@ -445,11 +454,8 @@ def plot(result: dict, path: Path) -> bool:
 def plot_e2e(e2e: dict, path: Path) -> bool:
     """Prefill and decode tok/s per engine (the fastest round), each bar labelled with its ratio to
     bf16 where bf16 ran; False where matplotlib is not installed or no engine has figures."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     engines = {name: r for name, r in e2e["engines"].items() if r.get("prefill_tok_s") and r.get("decode_tok_s")}
     if not engines:
@@ -528,7 +534,7 @@ def main(argv=None) -> int:
         plots.append(e2e_png)
     print(full_markdown(result))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}"
-          + ("".join(f", {p}" for p in plots) if plots else " (no plot: matplotlib not installed)"))
+          + "".join(f", {p}" for p in plots) + (" (no plot: matplotlib not installed)" if pyplot() is None else ""))
     return 0
 
 

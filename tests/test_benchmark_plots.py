@@ -12,6 +12,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _benchmarks_on_path(monkeypatch):
+    """As when a benchmark runs as a script: its folder on sys.path (they import runtime.py's helpers)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
